@@ -1,0 +1,3 @@
+from expertize.conversion.cli import main
+
+raise SystemExit(main())

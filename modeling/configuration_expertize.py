@@ -1,0 +1,121 @@
+"""Config subclasses: a native transformers config plus `sparse_layers`, the per-layer sparse layer specs.
+
+`sparse_layers` maps a decoder layer index (a string key in JSON) to a spec dict, e.g.
+`{"2": {"kind": "mxd", "d_in": 64, "d_out": 64, "d_hidden": 172, "num_experts": 512, "k": 16, ...}}`.
+Every other field is the native config's, unchanged, so a base checkpoint's config round-trips.
+"""
+
+from typing import Any, NamedTuple
+
+from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+from .sparse_base import SparseSpec
+from .sparse_layers import spec_from_dict
+
+
+class MlpShape(NamedTuple):
+    """The dense MLP a sparse layer replaces."""
+
+    d_model: int
+    """Input and output width (the residual stream)."""
+    d_hidden: int
+    """Hidden width."""
+    activation: str
+    """transformers activation name."""
+    glu: bool
+    """Gated (Llama-style `down(act(gate(x)) * up(x))`) or plain (`down(act(up(x)))`)."""
+
+
+def _normalize_sparse_layers(sparse_layers: dict | None) -> dict[str, dict[str, Any]]:
+    if sparse_layers is None:
+        return {}
+    if not isinstance(sparse_layers, dict):
+        raise ValueError(
+            f"sparse_layers must map layer index -> spec dict, got {type(sparse_layers).__name__}: {sparse_layers!r}"
+        )
+    out = {}
+    for key, spec in sparse_layers.items():
+        try:
+            index = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"sparse_layers key {key!r} is not a layer index (an integer)") from None
+        out[str(index)] = spec.to_dict() if isinstance(spec, SparseSpec) else dict(spec)
+    return out
+
+
+class _SparseLayersConfigMixin:
+    """Shared by every family's config: parsing and validation of `sparse_layers` against the base MLP."""
+
+    sparse_layers: dict[str, dict[str, Any]]
+
+    def mlp_shape(self) -> MlpShape:
+        return MlpShape(self.hidden_size, self.intermediate_size, self.hidden_act, glu=True)
+
+    def sparse_layer_specs(self) -> dict[int, SparseSpec]:
+        """The validated specs, keyed by integer layer index."""
+        return {int(i): spec_from_dict(spec) for i, spec in sorted(self.sparse_layers.items(), key=lambda kv: int(kv[0]))}
+
+    def _validate_sparse_layers(self) -> None:
+        n_layers = self.num_hidden_layers
+        shape = self.mlp_shape()
+        for index, spec in self.sparse_layer_specs().items():
+            if not 0 <= index < n_layers:
+                raise ValueError(
+                    f"sparse_layers: layer index {index} is out of range; this model has {n_layers} layers "
+                    f"(valid indices 0..{n_layers - 1})"
+                )
+            for name in ("d_in", "d_out"):
+                if getattr(spec, name) != shape.d_model:
+                    raise ValueError(
+                        f"sparse_layers[{index}]: {spec.kind}.{name}={getattr(spec, name)} does not match the base "
+                        f"MLP's width {shape.d_model} (the model's hidden size); build the spec from the base model's "
+                        "MLP shape"
+                    )
+
+
+def _init_config(self, parent: type, sparse_layers: dict | None, kwargs: dict) -> None:
+    # Only new attribute names may be set before the parent __init__ (it resets the native fields).
+    self.sparse_layers = _normalize_sparse_layers(sparse_layers)
+    parent.__init__(self, **kwargs)
+    self._validate_sparse_layers()
+
+
+class ExpertizeGPT2Config(_SparseLayersConfigMixin, GPT2Config):
+    model_type = "expertize_gpt2"
+
+    def __init__(self, sparse_layers: dict | None = None, **kwargs):
+        _init_config(self, GPT2Config, sparse_layers, kwargs)
+
+    def mlp_shape(self) -> MlpShape:
+        return MlpShape(self.n_embd, self.n_inner or 4 * self.n_embd, self.activation_function, glu=False)
+
+
+class ExpertizeGPTNeoXConfig(_SparseLayersConfigMixin, GPTNeoXConfig):
+    model_type = "expertize_gpt_neox"
+
+    def __init__(self, sparse_layers: dict | None = None, **kwargs):
+        _init_config(self, GPTNeoXConfig, sparse_layers, kwargs)
+
+    def mlp_shape(self) -> MlpShape:
+        return MlpShape(self.hidden_size, self.intermediate_size, self.hidden_act, glu=False)
+
+
+class ExpertizeLlamaConfig(_SparseLayersConfigMixin, LlamaConfig):
+    model_type = "expertize_llama"
+
+    def __init__(self, sparse_layers: dict | None = None, **kwargs):
+        _init_config(self, LlamaConfig, sparse_layers, kwargs)
+
+
+class ExpertizeMistralConfig(_SparseLayersConfigMixin, MistralConfig):
+    model_type = "expertize_mistral"
+
+    def __init__(self, sparse_layers: dict | None = None, **kwargs):
+        _init_config(self, MistralConfig, sparse_layers, kwargs)
+
+
+class ExpertizeQwen2Config(_SparseLayersConfigMixin, Qwen2Config):
+    model_type = "expertize_qwen2"
+
+    def __init__(self, sparse_layers: dict | None = None, **kwargs):
+        _init_config(self, Qwen2Config, sparse_layers, kwargs)

@@ -1,0 +1,208 @@
+"""Model classes: the native transformers models with `.mlp` of the configured decoder layers swapped for sparse
+layers at construction. Every other parameter keeps its native name, so a base checkpoint's state dict fills
+everything except the new layers.
+
+Part of the Hub bundle (`save_pretrained` copies this file and its single-dot imports next to the weights).
+"""
+
+from torch import nn
+from transformers import (
+    GPT2LMHeadModel,
+    GPT2Model,
+    GPTNeoXForCausalLM,
+    GPTNeoXModel,
+    LlamaForCausalLM,
+    LlamaModel,
+    MistralForCausalLM,
+    MistralModel,
+    Qwen2ForCausalLM,
+    Qwen2Model,
+)
+
+from .configuration_expertize import (
+    ExpertizeGPT2Config,
+    ExpertizeGPTNeoXConfig,
+    ExpertizeLlamaConfig,
+    ExpertizeMistralConfig,
+    ExpertizeQwen2Config,
+)
+from .sparse_base import SparseLayer
+from .sparse_layers import build_sparse_layer
+
+
+class ExpertizeModelMixin:
+    """Shared by every family's base model and causal LM."""
+
+    _blocks_path: str
+    """Attribute path from the model to its `nn.ModuleList` of decoder blocks."""
+    _auto_map: dict[str, str]
+    """Written into config.json on save, so that all three Auto classes resolve to the copied files."""
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, SparseLayer):
+            module.reset_parameters()  # uses torch.nn.init, which transformers guards against re-initializing loads
+        else:
+            super()._init_weights(module)
+
+    def decoder_blocks(self) -> nn.ModuleList:
+        return self.get_submodule(self._blocks_path)
+
+    def sparse_layers(self) -> dict[int, SparseLayer]:
+        """The sparse layers by decoder layer index."""
+        return {i: block.mlp for i, block in enumerate(self.decoder_blocks()) if isinstance(block.mlp, SparseLayer)}
+
+    def save_pretrained(self, *args, **kwargs):
+        self.config.auto_map = dict(self._auto_map)
+        return super().save_pretrained(*args, **kwargs)
+
+
+class ExpertizeBaseModelMixin(ExpertizeModelMixin):
+    def _install_sparse_layers(self) -> None:
+        blocks = self.decoder_blocks()
+        for index, spec in self.config.sparse_layer_specs().items():
+            blocks[index].mlp = build_sparse_layer(spec)
+        # Initializes only modules not yet flagged as initialized, i.e. the new sparse layers; refreshes tied keys.
+        self.post_init()
+
+
+class ExpertizeCausalLMMixin(ExpertizeModelMixin):
+    _base_class: type
+    _base_attr: str
+
+    def _adopt_base_model(self) -> None:
+        # The native causal-LM __init__ built a native base model. Rebuilding it as ours would initialize the whole
+        # network twice, so re-class it in place instead (our subclass adds methods, no state) and swap its MLPs.
+        # Being an Expertize base model matters beyond this call: transformers initializes missing weights of a
+        # nested PreTrainedModel with *its* `_init_weights`, which must know the sparse layers.
+        base = getattr(self, self._base_attr)
+        base.__class__ = self._base_class
+        base._install_sparse_layers()
+        self.post_init()
+
+
+def _auto_map(config_cls: type, base_cls: type, causal_cls: type) -> dict[str, str]:
+    return {
+        "AutoConfig": f"configuration_expertize.{config_cls.__name__}",
+        "AutoModel": f"modeling_expertize.{base_cls.__name__}",
+        "AutoModelForCausalLM": f"modeling_expertize.{causal_cls.__name__}",
+    }
+
+
+# -- GPT-2 (`transformer.h[i].mlp`) ----------------------------------------------------------------------------------
+
+
+class ExpertizeGPT2Model(ExpertizeBaseModelMixin, GPT2Model):
+    config_class = ExpertizeGPT2Config
+    _blocks_path = "h"
+
+    def __init__(self, config: ExpertizeGPT2Config):
+        super().__init__(config)
+        self._install_sparse_layers()
+
+
+class ExpertizeGPT2ForCausalLM(ExpertizeCausalLMMixin, GPT2LMHeadModel):
+    config_class = ExpertizeGPT2Config
+    _blocks_path = "transformer.h"
+    _base_class, _base_attr = ExpertizeGPT2Model, "transformer"
+
+    def __init__(self, config: ExpertizeGPT2Config):
+        super().__init__(config)
+        self._adopt_base_model()
+
+
+# -- GPT-NeoX / Pythia (`gpt_neox.layers[i].mlp`; parallel residual) ------------------------------------------------
+
+
+class ExpertizeGPTNeoXModel(ExpertizeBaseModelMixin, GPTNeoXModel):
+    config_class = ExpertizeGPTNeoXConfig
+    _blocks_path = "layers"
+
+    def __init__(self, config: ExpertizeGPTNeoXConfig):
+        super().__init__(config)
+        self._install_sparse_layers()
+
+
+class ExpertizeGPTNeoXForCausalLM(ExpertizeCausalLMMixin, GPTNeoXForCausalLM):
+    config_class = ExpertizeGPTNeoXConfig
+    _blocks_path = "gpt_neox.layers"
+    _base_class, _base_attr = ExpertizeGPTNeoXModel, "gpt_neox"
+
+    def __init__(self, config: ExpertizeGPTNeoXConfig):
+        super().__init__(config)
+        self._adopt_base_model()
+
+
+# -- Llama and Llama-like families (`model.layers[i].mlp`; gated SiLU MLP) -------------------------------------------
+
+
+class ExpertizeLlamaModel(ExpertizeBaseModelMixin, LlamaModel):
+    config_class = ExpertizeLlamaConfig
+    _blocks_path = "layers"
+
+    def __init__(self, config: ExpertizeLlamaConfig):
+        super().__init__(config)
+        self._install_sparse_layers()
+
+
+class ExpertizeLlamaForCausalLM(ExpertizeCausalLMMixin, LlamaForCausalLM):
+    config_class = ExpertizeLlamaConfig
+    _blocks_path = "model.layers"
+    _base_class, _base_attr = ExpertizeLlamaModel, "model"
+
+    def __init__(self, config: ExpertizeLlamaConfig):
+        super().__init__(config)
+        self._adopt_base_model()
+
+
+class ExpertizeMistralModel(ExpertizeBaseModelMixin, MistralModel):
+    config_class = ExpertizeMistralConfig
+    _blocks_path = "layers"
+
+    def __init__(self, config: ExpertizeMistralConfig):
+        super().__init__(config)
+        self._install_sparse_layers()
+
+
+class ExpertizeMistralForCausalLM(ExpertizeCausalLMMixin, MistralForCausalLM):
+    config_class = ExpertizeMistralConfig
+    _blocks_path = "model.layers"
+    _base_class, _base_attr = ExpertizeMistralModel, "model"
+
+    def __init__(self, config: ExpertizeMistralConfig):
+        super().__init__(config)
+        self._adopt_base_model()
+
+
+class ExpertizeQwen2Model(ExpertizeBaseModelMixin, Qwen2Model):
+    config_class = ExpertizeQwen2Config
+    _blocks_path = "layers"
+
+    def __init__(self, config: ExpertizeQwen2Config):
+        super().__init__(config)
+        self._install_sparse_layers()
+
+
+class ExpertizeQwen2ForCausalLM(ExpertizeCausalLMMixin, Qwen2ForCausalLM):
+    config_class = ExpertizeQwen2Config
+    _blocks_path = "model.layers"
+    _base_class, _base_attr = ExpertizeQwen2Model, "model"
+
+    def __init__(self, config: ExpertizeQwen2Config):
+        super().__init__(config)
+        self._adopt_base_model()
+
+
+FAMILIES: dict[str, tuple[type, type, type]] = {
+    # base model_type: (config, base model, causal LM)
+    "gpt2": (ExpertizeGPT2Config, ExpertizeGPT2Model, ExpertizeGPT2ForCausalLM),
+    "gpt_neox": (ExpertizeGPTNeoXConfig, ExpertizeGPTNeoXModel, ExpertizeGPTNeoXForCausalLM),
+    "llama": (ExpertizeLlamaConfig, ExpertizeLlamaModel, ExpertizeLlamaForCausalLM),
+    "mistral": (ExpertizeMistralConfig, ExpertizeMistralModel, ExpertizeMistralForCausalLM),
+    "qwen2": (ExpertizeQwen2Config, ExpertizeQwen2Model, ExpertizeQwen2ForCausalLM),
+}
+
+for _config_cls, _base_cls, _causal_cls in FAMILIES.values():
+    _base_cls._auto_map = _causal_cls._auto_map = _auto_map(_config_cls, _base_cls, _causal_cls)
+    _config_cls.register_for_auto_class()
+    _base_cls.register_for_auto_class("AutoModel")
+    _causal_cls.register_for_auto_class("AutoModelForCausalLM")

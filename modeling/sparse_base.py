@@ -1,0 +1,232 @@
+"""Pieces shared by every sparse layer: the spec base class, the sparse code, its hook point and interventions.
+
+Part of the Hub bundle: imports only torch, the standard library and sibling files.
+
+Letters used in shape comments across the bundle:
+    T tokens (any leading dims flattened), I d_in, O d_out, H hidden width, N experts / latents, K active (top-k).
+"""
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class SparseCode(NamedTuple):
+    """The sparse part of a layer's computation for each token."""
+
+    top_k_index: torch.Tensor
+    """(..., K) int64 ids of the active experts / latents."""
+    top_k_weights: torch.Tensor
+    """(..., K) their coefficients (post-activation, post-TopK)."""
+
+
+class CodeHook(nn.Module):
+    """Identity on the `SparseCode`.
+
+    A stable module path (`...mlp.code_hook`) whose forward output hooks, nnsight and SAE tooling can read and replace.
+    """
+
+    def forward(self, code: SparseCode) -> SparseCode:
+        return code
+
+
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+    "relu": F.relu,
+}
+# Activation names used by transformers configs -> ours (same function, other spelling).
+ACTIVATION_ALIASES = {"gelu_pytorch_tanh": "gelu_new", "swish": "silu", "gelu_fast": "gelu_new"}
+
+
+def canonical_activation(name: str) -> str:
+    name = ACTIVATION_ALIASES.get(name, name)
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported; choose one of {sorted(ACTIVATIONS)}")
+    return name
+
+
+def _require_int(spec: "SparseSpec", name: str, minimum: int = 1) -> None:
+    value = getattr(spec, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{spec.kind}.{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{spec.kind}.{name} must be >= {minimum}, got {value}")
+
+
+def _require_bool(spec: "SparseSpec", name: str) -> None:
+    value = getattr(spec, name)
+    if not isinstance(value, bool):
+        raise ValueError(f"{spec.kind}.{name} must be true or false, got {value!r}")
+
+
+def _require_choice(spec: "SparseSpec", name: str, choices: Iterable[str]) -> None:
+    value = getattr(spec, name)
+    if value not in choices:
+        raise ValueError(f"{spec.kind}.{name} must be one of {sorted(choices)}, got {value!r}")
+
+
+@dataclasses.dataclass
+class SparseSpec:
+    """Hyperparameters of one sparse layer. Subclasses add fields and set `kind`.
+
+    A spec validates itself on construction, counts its parameters and FLOPs, and round-trips through the plain JSON
+    dict stored in the model config (`to_dict` / `from_dict`).
+    """
+
+    kind: ClassVar[str] = ""
+    d_in: int
+    d_out: int
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _require_int(self, "d_in")
+        _require_int(self, "d_out")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SparseSpec":
+        data = dict(data)
+        kind = data.pop("kind", cls.kind)
+        if kind != cls.kind:
+            raise ValueError(f"spec of kind {kind!r} cannot be read as {cls.kind!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown field(s) {unknown} for sparse layer kind {cls.kind!r}; valid fields: {sorted(names)}")
+        missing = sorted(
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        )
+        if missing:
+            raise ValueError(f"sparse layer kind {cls.kind!r} needs field(s) {missing}")
+        return cls(**data)
+
+    def num_parameters(self) -> int:
+        raise NotImplementedError
+
+    def active_parameters(self) -> int:
+        """Parameters touched per token (dense parts + the K selected rows)."""
+        raise NotImplementedError
+
+    def flops_per_token(self) -> int:
+        """Forward FLOPs per token (2 x multiply-accumulates), counting only the K selected rows of sparse parts."""
+        raise NotImplementedError
+
+
+class SparseLayer(nn.Module):
+    """Base class of every sparse MLP replacement.
+
+    `forward(hidden_states) -> hidden_states` with the MLP's shape and dtype; `encode(x)` returns the `SparseCode`
+    after it has passed through `self.code_hook`. Interventions (`steer`, `ablate`) act on the code after TopK.
+    """
+
+    spec: SparseSpec
+
+    def __init__(self, spec: SparseSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.code_hook = CodeHook()
+        # Interventions are run-time state, never saved: plain attributes, not buffers.
+        self._steering: dict[int, float] = {}
+        self._ablated: frozenset[int] = frozenset()
+
+    @property
+    def num_units(self) -> int:
+        """Number of units (experts / latents) the code indexes."""
+        raise NotImplementedError
+
+    def reset_parameters(self) -> None:
+        raise NotImplementedError
+
+    # -- interventions --------------------------------------------------------------------------------------------
+
+    def _check_units(self, units: Iterable[int]) -> list[int]:
+        units = [int(u) for u in units]
+        bad = [u for u in units if not 0 <= u < self.num_units]
+        if bad:
+            raise ValueError(f"unit id(s) {bad} out of range: this layer has {self.num_units} units (0..{self.num_units - 1})")
+        return units
+
+    def steer(self, unit: int, value: float) -> None:
+        """Add `value` to unit `unit`'s coefficient after TopK at every position (the MxD paper's `a_n += λ`)."""
+        (unit,) = self._check_units([unit])
+        self._steering[unit] = self._steering.get(unit, 0.0) + float(value)
+
+    def ablate(self, units: Iterable[int]) -> None:
+        """Zero the coefficients of `units` after TopK (the other selected units keep theirs)."""
+        self._ablated = self._ablated | frozenset(self._check_units(units))
+
+    def clear_interventions(self) -> None:
+        self._steering = {}
+        self._ablated = frozenset()
+
+    @contextlib.contextmanager
+    def intervene(self, steer: dict[int, float] | None = None, ablate: Iterable[int] = ()) -> Iterator["SparseLayer"]:
+        """Context manager: `with layer.intervene(steer={5: 100.0}, ablate=[3]): model.generate(...)`."""
+        saved = (dict(self._steering), self._ablated)
+        try:
+            for unit, value in (steer or {}).items():
+                self.steer(unit, value)
+            self.ablate(ablate)
+            yield self
+        finally:
+            self._steering, self._ablated = saved
+
+    def _intervene_on_code(self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> SparseCode:
+        # top_k_index, top_k_weights: (T, K)
+        if self._ablated:
+            ablated = torch.tensor(sorted(self._ablated), device=top_k_index.device)
+            top_k_weights = top_k_weights.masked_fill(torch.isin(top_k_index, ablated), 0.0)
+        if self._steering:
+            # Steered units ride along as extra (index, value) pairs: the sum over the code then adds λ·row_n exactly,
+            # also when n is already among the top K (embedding_bag sums duplicate ids).
+            n_tokens, n_steer = top_k_index.shape[0], len(self._steering)
+            extra_index = torch.tensor(list(self._steering), device=top_k_index.device).expand(n_tokens, n_steer)
+            extra_weights = torch.tensor(
+                list(self._steering.values()), device=top_k_weights.device, dtype=top_k_weights.dtype
+            ).expand(n_tokens, n_steer)
+            top_k_index = torch.cat([top_k_index, extra_index], dim=-1)  # (T, K + S)
+            top_k_weights = torch.cat([top_k_weights, extra_weights], dim=-1)  # (T, K + S)
+        return SparseCode(top_k_index, top_k_weights)
+
+    def _sample_k(self, k: int) -> int:
+        return k
+
+
+def sparse_rows_sum(code: SparseCode, rows: torch.Tensor) -> torch.Tensor:
+    """Σ_k w_k · rows[idx_k] per token, touching only the selected rows (never densifying over N).
+
+    code: (T, K) index and weights; rows: (N, O). Returns (T, O).
+    """
+    return F.embedding_bag(
+        code.top_k_index, rows, per_sample_weights=code.top_k_weights.to(rows.dtype), mode="sum"
+    )
+
+
+def relu_topk(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """TopK(ReLU(pre)) along the last dim: returns (values, indices), each (T, K)."""
+    values, indices = pre.topk(k, dim=-1, sorted=False)
+    # ReLU after TopK equals TopK after ReLU (ReLU is monotone) and touches K entries instead of N.
+    return F.relu(values), indices
+
+
+def uniform_(param: nn.Parameter, bound: float) -> None:
+    nn.init.uniform_(param, -bound, bound)
+
+
+def linear_bound(fan_in: int) -> float:
+    """nn.Linear's default init bound (kaiming_uniform with a=sqrt(5) reduces to 1/sqrt(fan_in))."""
+    return 1.0 / math.sqrt(fan_in)

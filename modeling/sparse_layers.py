@@ -1,0 +1,30 @@
+"""Registry of sparse layer kinds: spec class + layer class, looked up by the `kind` string stored in configs."""
+
+from typing import Any
+
+from .mxd import MxdLayer, MxdSpec
+from .sparse_base import SparseLayer, SparseSpec
+from .transcoder import SkipTranscoderSpec, TranscoderLayer, TranscoderSpec
+
+LAYER_KINDS: dict[str, tuple[type[SparseSpec], type[SparseLayer]]] = {
+    "mxd": (MxdSpec, MxdLayer),
+    "transcoder": (TranscoderSpec, TranscoderLayer),
+    "skip_transcoder": (SkipTranscoderSpec, TranscoderLayer),
+}
+
+
+def spec_from_dict(data: dict[str, Any] | SparseSpec) -> SparseSpec:
+    """Build and validate a spec from its JSON dict (`{"kind": "mxd", ...}`); specs pass through unchanged."""
+    if isinstance(data, SparseSpec):
+        return data
+    if not isinstance(data, dict):
+        raise ValueError(f"a sparse layer spec must be a dict with a 'kind' key, got {type(data).__name__}: {data!r}")
+    kind = data.get("kind")
+    if kind not in LAYER_KINDS:
+        raise ValueError(f"unknown sparse layer kind {kind!r}; known kinds: {sorted(LAYER_KINDS)}")
+    return LAYER_KINDS[kind][0].from_dict(data)
+
+
+def build_sparse_layer(spec: dict[str, Any] | SparseSpec) -> SparseLayer:
+    spec = spec_from_dict(spec)
+    return LAYER_KINDS[spec.kind][1](spec)

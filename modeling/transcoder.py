@@ -1,0 +1,114 @@
+"""TopK transcoders (Dunefsky et al. 2024) and skip transcoders (Paulo et al. 2025): the MxD paper's baselines.
+
+    z = TopK(ReLU(W_enc x + b_enc))        over L latents
+    y = W_decᵀ z + b_dec  (+ W_skip x)     skip transcoder adds a dense linear skip path
+
+Shapes: W_enc (L, I); b_enc (L,); W_dec (L, O), row l = latent l's decoder direction; b_dec (O,); W_skip (O, I).
+Names follow EleutherAI sparsify (`num_latents`, `k`, `W_dec`, `b_dec`, `W_skip`). The decoder sum touches only the K
+selected rows of W_dec (`embedding_bag`).
+"""
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .sparse_base import (
+    SparseCode,
+    SparseLayer,
+    SparseSpec,
+    _require_int,
+    linear_bound,
+    relu_topk,
+    sparse_rows_sum,
+    uniform_,
+)
+
+
+@dataclasses.dataclass
+class TranscoderSpec(SparseSpec):
+    kind = "transcoder"
+    num_latents: int
+    """L: dictionary size (the MxD paper uses 32 × d_in)."""
+    k: int = 32
+    """Active latents per token."""
+
+    skip_connection = False  # class constant; the skip transcoder sets it
+
+    def validate(self) -> None:
+        super().validate()
+        _require_int(self, "num_latents")
+        _require_int(self, "k")
+        if self.k > self.num_latents:
+            raise ValueError(
+                f"{self.kind}.k={self.k} exceeds {self.kind}.num_latents={self.num_latents}: TopK cannot select more "
+                "latents than exist; lower k or raise num_latents"
+            )
+
+    def num_parameters(self) -> int:
+        I, O, L = self.d_in, self.d_out, self.num_latents
+        return L * (I + 1) + L * O + O + (I * O if self.skip_connection else 0)
+
+    def active_parameters(self) -> int:
+        I, O, L = self.d_in, self.d_out, self.num_latents
+        return L * (I + 1) + self.k * O + O + (I * O if self.skip_connection else 0)
+
+    def flops_per_token(self) -> int:
+        I, O, L = self.d_in, self.d_out, self.num_latents
+        return 2 * (I * L + self.k * O + (I * O if self.skip_connection else 0)) + O
+
+
+@dataclasses.dataclass
+class SkipTranscoderSpec(TranscoderSpec):
+    kind = "skip_transcoder"
+    skip_connection = True
+
+
+class TranscoderLayer(SparseLayer):
+    """TopK transcoder, with the zero-initialized skip path `W_skip` when `spec.skip_connection`."""
+
+    spec: TranscoderSpec
+
+    def __init__(self, spec: TranscoderSpec) -> None:
+        super().__init__(spec)
+        I, O, L = spec.d_in, spec.d_out, spec.num_latents
+        self.W_enc = nn.Parameter(torch.empty(L, I))
+        self.b_enc = nn.Parameter(torch.empty(L))
+        self.W_dec = nn.Parameter(torch.empty(L, O))
+        self.b_dec = nn.Parameter(torch.empty(O))
+        self.W_skip = nn.Parameter(torch.empty(O, I)) if spec.skip_connection else None
+        self.reset_parameters()
+
+    @property
+    def num_units(self) -> int:
+        return self.spec.num_latents
+
+    def reset_parameters(self) -> None:
+        """nn.Linear defaults for the encoder and decoder (MxD paper's baselines); b_enc = b_dec = 0.
+        Skip transcoders start with W_dec = W_skip = 0 (Paulo et al.; the MxD reference code)."""
+        I, L = self.spec.d_in, self.spec.num_latents
+        uniform_(self.W_enc, linear_bound(I))
+        nn.init.zeros_(self.b_enc)
+        if self.W_skip is not None:
+            nn.init.zeros_(self.W_dec)
+            nn.init.zeros_(self.W_skip)
+        else:
+            uniform_(self.W_dec, linear_bound(L))
+        nn.init.zeros_(self.b_dec)
+
+    def encode(self, x: torch.Tensor) -> SparseCode:
+        """z = TopK(ReLU(W_enc x + b_enc)) as (index, weight) pairs: (..., I) -> (..., K)."""
+        lead = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1])  # (T, I)
+        values, index = relu_topk(F.linear(x, self.W_enc, self.b_enc), self.spec.k)  # (T, K)
+        code = self.code_hook(self._intervene_on_code(index, values))
+        return SparseCode(code.top_k_index.view(*lead, -1), code.top_k_weights.view(*lead, -1))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        lead = hidden_states.shape[:-1]
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])  # (T, I)
+        out = sparse_rows_sum(self.encode(x), self.W_dec) + self.b_dec  # (T, O)
+        if self.W_skip is not None:
+            out = out + F.linear(x, self.W_skip)
+        return out.view(*lead, -1)
