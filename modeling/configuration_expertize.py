@@ -39,7 +39,7 @@ def _normalize_sparse_layers(sparse_layers: dict | None) -> dict[str, dict[str, 
             index = int(key)
         except (TypeError, ValueError):
             raise ValueError(f"sparse_layers key {key!r} is not a layer index (an integer)") from None
-        out[str(index)] = spec.to_dict() if isinstance(spec, SparseSpec) else dict(spec)
+        out[str(index)] = spec.to_dict() if callable(getattr(spec, "to_dict", None)) else dict(spec)
     return out
 
 

@@ -17,6 +17,10 @@ def spec_from_dict(data: dict[str, Any] | SparseSpec) -> SparseSpec:
     """Build and validate a spec from its JSON dict (`{"kind": "mxd", ...}`); specs pass through unchanged."""
     if isinstance(data, SparseSpec):
         return data
+    if callable(getattr(data, "to_dict", None)):
+        # A spec from another copy of these files (transformers may execute the remote-code modules more than
+        # once, so class identity is not reliable): rebuild it from its JSON form.
+        data = data.to_dict()
     if not isinstance(data, dict):
         raise ValueError(f"a sparse layer spec must be a dict with a 'kind' key, got {type(data).__name__}: {data!r}")
     kind = data.get("kind")

@@ -1,0 +1,467 @@
+"""The data stage: stream text, split it by document, tokenize and pack it into fixed-length sequences.
+
+    documents (text / jsonl / parquet files, or a datasets hub dataset)
+      -> train/eval split by document (stable hash of (seed, document index))
+      -> seeded buffer shuffle of documents (train only)
+      -> tokenize (no special tokens from the tokenizer), EOS after every document
+      -> pack into sequences of exactly `context_length` tokens: [BOS] + (T - 1) content tokens when BOS is on
+      -> batches (B, T)
+
+Nothing is padded: the ragged tail that does not fill a sequence is dropped, so every token is real text (or a
+document separator / BOS) and no attention mask is needed. The whole stream is a pure function of (config,
+tokenizer, corpus), so a run resumes by regenerating it and skipping the sequences it has already used
+(`start_sequence`).
+
+Shapes: S sequences, B batch, T = context_length.
+"""
+
+import glob
+import hashlib
+import itertools
+import json
+import math
+import os
+import random
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+__all__ = [
+    "DataConfig",
+    "DocumentSplit",
+    "batch_sequences",
+    "document_in_eval",
+    "iter_documents",
+    "iter_sequences",
+    "load_eval_sequences",
+    "pack_sequences",
+    "resolve_add_bos",
+    "resolve_paths",
+    "shuffle_buffered",
+    "split_documents",
+    "token_budget_to_sequences",
+]
+
+SOURCES = ("text", "jsonl", "parquet", "hub")
+LOCAL_SOURCES = ("text", "jsonl", "parquet")
+DOCUMENT_SEPARATORS = ("line", "blank_line", "file")
+Split = Literal["train", "eval"]
+TOKENIZE_BATCH_DOCUMENTS = 256
+"""Documents handed to the tokenizer per call (fast tokenizers are much quicker on batches)."""
+
+
+@dataclass
+class DataConfig:
+    """Where the text comes from and how it becomes fixed-length token sequences (recipe section `data:`)."""
+
+    source: str = "text"
+    """Kind of corpus: "text", "jsonl" or "parquet" (local files in `paths`), or "hub" (a datasets hub dataset)."""
+
+    paths: list[str] = field(default_factory=list)
+    """Local files for the text/jsonl/parquet sources, read in the order given; glob patterns are expanded (sorted)."""
+
+    name: str | None = None
+    """Datasets hub name for source=hub, e.g. "Skylion007/openwebtext"."""
+
+    config: str | None = None
+    """Hub dataset config name (source=hub), e.g. "wikitext-103-raw-v1"."""
+
+    split: str = "train"
+    """Hub dataset split to read (source=hub); our train/eval split is made from its documents."""
+
+    streaming: bool = True
+    """source=hub: stream the dataset instead of downloading it first."""
+
+    text_column: str = "text"
+    """Column / JSON key holding the document text (jsonl, parquet and hub sources)."""
+
+    document_separator: str = "line"
+    """source=text: "line" (one document per non-empty line), "blank_line" (paragraphs separated by blank lines) or
+    "file" (each file is one document)."""
+
+    context_length: int = 128
+    """T: tokens per packed sequence, BOS included."""
+
+    train_tokens: int = 1_000_000
+    """Training budget in tokens; the train stream yields ceil(train_tokens / context_length) sequences."""
+
+    eval_tokens: int = 100_000
+    """Evaluation budget in tokens; the eval set holds ceil(eval_tokens / context_length) sequences."""
+
+    eval_fraction: float = 0.05
+    """Fraction of documents held out for evaluation, chosen by a stable hash of (seed, document index), so train
+    and eval never share a document."""
+
+    shuffle_documents: bool = True
+    """Shuffle training documents with a seeded streaming buffer (the eval order is never shuffled)."""
+
+    shuffle_buffer_documents: int = 10_000
+    """Size of the streaming shuffle buffer, in documents."""
+
+    add_bos: str | bool = "auto"
+    """Start every packed sequence with the tokenizer's BOS token: "auto" (when the tokenizer has one: Llama,
+    Pythia, GPT-2 whose BOS is '<|endoftext|>'), true or false."""
+
+    seed: int = 0
+    """Seed of the train/eval document split and of the document shuffle."""
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"data.source must be one of {list(SOURCES)}, got {self.source!r}")
+        if isinstance(self.paths, str):
+            raise ValueError(
+                f"data.paths must be a list of files, got the string {self.paths!r}; write [{self.paths!r}]"
+            )
+        self.paths = list(self.paths)
+        if self.source in LOCAL_SOURCES:
+            if not self.paths:
+                raise ValueError(f"data.source={self.source!r} reads local files, but data.paths is empty; list them")
+            resolve_paths(self.paths)  # raises on a missing file, naming it
+        elif self.paths:
+            raise ValueError(
+                f"data.paths={self.paths} is only read by local sources {list(LOCAL_SOURCES)}, but data.source='hub'; "
+                "remove data.paths or set data.source to the files' format"
+            )
+        if self.source == "hub" and not self.name:
+            raise ValueError(
+                "data.source='hub' needs data.name, the datasets hub name (e.g. 'Skylion007/openwebtext')"
+            )
+        if self.document_separator not in DOCUMENT_SEPARATORS:
+            raise ValueError(
+                f"data.document_separator must be one of {list(DOCUMENT_SEPARATORS)}, got {self.document_separator!r}"
+            )
+        if not self.text_column:
+            raise ValueError("data.text_column must name the column holding the text, got an empty value")
+        if not _is_int(self.context_length) or self.context_length < 2:
+            raise ValueError(f"data.context_length must be an integer >= 2, got {self.context_length!r}")
+        for key in ("train_tokens", "eval_tokens", "shuffle_buffer_documents"):
+            value = getattr(self, key)
+            if not _is_int(value) or value <= 0:
+                raise ValueError(f"data.{key} must be a positive integer, got {value!r}")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ValueError(
+                "data.eval_fraction must lie strictly between 0 and 1 (a fraction of documents), "
+                f"got {self.eval_fraction!r}"
+            )
+        if not (self.add_bos == "auto" or isinstance(self.add_bos, bool)):
+            raise ValueError(f"data.add_bos must be 'auto', true or false, got {self.add_bos!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Documents
+
+
+def resolve_paths(paths: list[str]) -> list[str]:
+    """Expand glob patterns (sorted) and check that every file exists; keeps the order of `paths`."""
+    files = []
+    for path in paths:
+        if glob.has_magic(path):
+            matches = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+            if not matches:
+                raise FileNotFoundError(
+                    f"data.paths: the pattern {path!r} matches no file (relative to {os.getcwd()!r}); "
+                    "fix the pattern or the working directory"
+                )
+            files.extend(matches)
+        elif os.path.isdir(path):
+            raise IsADirectoryError(
+                f"data.paths: {path!r} is a directory; list its files or use a glob such as "
+                f"{os.path.join(path, '*.txt')!r}"
+            )
+        elif not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"data.paths: no such file {path!r} (relative to {os.getcwd()!r}); "
+                "fix the path, give an absolute path, or use a glob pattern"
+            )
+        else:
+            files.append(path)
+    return files
+
+
+def iter_documents(cfg: DataConfig) -> Iterator[str]:
+    """Raw non-empty documents in file order (local sources) or stream order (hub)."""
+    if cfg.source == "hub":
+        yield from _hub_documents(cfg)
+        return
+    read = {"text": _text_documents, "jsonl": _jsonl_documents, "parquet": _parquet_documents}[cfg.source]
+    for path in resolve_paths(cfg.paths):
+        yield from read(path, cfg)
+
+
+def _text_documents(path: str, cfg: DataConfig) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        if cfg.document_separator == "file":
+            text = f.read()
+            if text.strip():
+                yield text
+        elif cfg.document_separator == "line":
+            for line in f:
+                line = line.rstrip("\r\n")
+                if line.strip():
+                    yield line
+        else:  # blank_line: paragraphs
+            paragraph: list[str] = []
+            for line in itertools.chain(f, [""]):
+                if line.strip():
+                    paragraph.append(line)
+                elif paragraph:
+                    yield "".join(paragraph).rstrip("\r\n")
+                    paragraph = []
+
+
+def _jsonl_documents(path: str, cfg: DataConfig) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"{path}:{line_number} is not valid JSON ({e}); data.source='jsonl' wants one JSON object per line"
+                ) from e
+            text = _record_text(record, cfg.text_column, f"{path}:{line_number}")
+            if text:
+                yield text
+
+
+def _parquet_documents(path: str, cfg: DataConfig) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(path)
+    columns = parquet.schema_arrow.names
+    if cfg.text_column not in columns:
+        raise _missing_column_error(cfg.text_column, columns, path)
+    for batch in parquet.iter_batches(columns=[cfg.text_column]):
+        for text in batch.column(0).to_pylist():
+            text = _check_text(text, cfg.text_column, path)
+            if text:
+                yield text
+
+
+def _hub_documents(cfg: DataConfig) -> Iterator[str]:
+    import datasets
+
+    dataset = datasets.load_dataset(cfg.name, cfg.config, split=cfg.split, streaming=cfg.streaming)
+    where = f"hub dataset {cfg.name!r} (config={cfg.config!r}, split={cfg.split!r})"
+    for record in dataset:
+        text = _record_text(record, cfg.text_column, where)
+        if text:
+            yield text
+
+
+def _record_text(record: Any, column: str, where: str) -> str | None:
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a record (JSON object), got {type(record).__name__}")
+    if column not in record:
+        raise _missing_column_error(column, list(record), where)
+    return _check_text(record[column], column, where)
+
+
+def _check_text(text: Any, column: str, where: str) -> str | None:
+    if text is not None and not isinstance(text, str):
+        raise ValueError(
+            f"{where}: column {column!r} holds {type(text).__name__}, not text; set data.text_column to a text column"
+        )
+    return text if text and text.strip() else None
+
+
+def _missing_column_error(column: str, found: list[str], where: str) -> ValueError:
+    return ValueError(
+        f"{where}: no text column {column!r}; the columns found are {found}; set data.text_column to one of them"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Train / eval split by document
+
+
+def document_in_eval(index: int, seed: int, eval_fraction: float) -> bool:
+    """Whether document `index` is held out: a stable hash of (seed, index), uniform in [0, 1), below eval_fraction.
+
+    blake2b, not Python's `hash()`, which is salted per process.
+    """
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < eval_fraction
+
+
+@dataclass(frozen=True)
+class DocumentSplit:
+    """The corpus split by document; `train()` and `eval()` each return a fresh iterator over their documents."""
+
+    cfg: DataConfig
+
+    def train(self) -> Iterator[str]:
+        return self.documents("train")
+
+    def eval(self) -> Iterator[str]:
+        return self.documents("eval")
+
+    def documents(self, split: Split) -> Iterator[str]:
+        _check_split(split)
+        want_eval = split == "eval"
+        for index, doc in enumerate(iter_documents(self.cfg)):
+            if document_in_eval(index, self.cfg.seed, self.cfg.eval_fraction) == want_eval:
+                yield doc
+
+
+def split_documents(cfg: DataConfig) -> DocumentSplit:
+    """Deterministic train/eval split by document: `split_documents(cfg).train()` / `.eval()`."""
+    return DocumentSplit(cfg)
+
+
+def _check_split(split: str) -> None:
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokens and packing
+
+
+def token_budget_to_sequences(tokens: int, context_length: int) -> int:
+    """Sequences of `context_length` tokens needed to cover `tokens` tokens (rounded up)."""
+    return math.ceil(tokens / context_length)
+
+
+def resolve_add_bos(cfg: DataConfig, tokenizer) -> bool:
+    """Whether packed sequences start with BOS; add_bos=true with a tokenizer that has no BOS is an error."""
+    has_bos = tokenizer.bos_token_id is not None
+    if cfg.add_bos == "auto":
+        return has_bos
+    if cfg.add_bos and not has_bos:
+        raise ValueError(
+            f"data.add_bos=true but the tokenizer {type(tokenizer).__name__} has no BOS token; "
+            "set data.add_bos to 'auto' or false, or give the tokenizer a bos_token"
+        )
+    return bool(cfg.add_bos)
+
+
+def shuffle_buffered(items: Iterable[str], buffer_size: int, seed: int) -> Iterator[str]:
+    """Seeded streaming shuffle: each incoming item swaps out a random member of a `buffer_size` buffer."""
+    rng = random.Random(seed)
+    buffer: list[str] = []
+    for item in items:
+        if len(buffer) < buffer_size:
+            buffer.append(item)
+            continue
+        i = rng.randrange(buffer_size)
+        buffer[i], item = item, buffer[i]
+        yield item
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+def _document_tokens(docs: Iterable[str], tokenizer) -> Iterator[list[int]]:
+    """Token ids of each document (no special tokens from the tokenizer), followed by EOS when there is one."""
+    eos = tokenizer.eos_token_id
+    docs = iter(docs)
+    while batch := list(itertools.islice(docs, TOKENIZE_BATCH_DOCUMENTS)):
+        encoded = tokenizer(batch, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+        for ids in encoded:
+            yield ids + [eos] if eos is not None else ids
+
+
+def _pack(token_lists: Iterable[list[int]], content_length: int, bos: int | None) -> Iterator[list[int]]:
+    """Concatenate token lists and cut them into [BOS] + `content_length` tokens; the ragged tail is dropped."""
+    prefix = [] if bos is None else [bos]
+    buffer: list[int] = []
+    for ids in token_lists:
+        buffer.extend(ids)
+        if len(buffer) < content_length:
+            continue
+        cut = len(buffer) - len(buffer) % content_length
+        for start in range(0, cut, content_length):
+            yield prefix + buffer[start : start + content_length]
+        del buffer[:cut]
+
+
+def pack_sequences(
+    docs: Iterable[str], tokenizer, cfg: DataConfig, split: Split = "train", start_sequence: int = 0
+) -> Iterator[torch.LongTensor]:
+    """Pack the documents of one split into sequences of exactly T = cfg.context_length tokens, each (T,).
+
+    Train documents are shuffled with a seeded buffer (when cfg.shuffle_documents); eval documents keep their order.
+    EOS (when the tokenizer has one) follows every document; with BOS on, every sequence is [BOS] + (T - 1) tokens.
+    No padding: the tail that does not fill a sequence is dropped. `start_sequence=n` yields exactly the sequences
+    n, n+1, ... of the full stream (it regenerates and discards the first n), so a run can resume.
+    """
+    _check_split(split)
+    if start_sequence < 0:
+        raise ValueError(f"start_sequence must be >= 0, got {start_sequence}")
+    if split == "train" and cfg.shuffle_documents:
+        docs = shuffle_buffered(docs, cfg.shuffle_buffer_documents, cfg.seed)
+    bos = tokenizer.bos_token_id if resolve_add_bos(cfg, tokenizer) else None
+    content_length = cfg.context_length - (bos is not None)
+    sequences = _pack(_document_tokens(docs, tokenizer), content_length, bos)
+    return (torch.tensor(ids, dtype=torch.long) for ids in itertools.islice(sequences, start_sequence, None))  # (T,)
+
+
+def iter_sequences(
+    cfg: DataConfig, tokenizer, split: Split = "train", start_sequence: int = 0
+) -> Iterator[torch.LongTensor]:
+    """The split's packed sequences (T,) from the configured corpus, up to its token budget.
+
+    The train stream yields ceil(train_tokens / T) sequences, the eval stream ceil(eval_tokens / T); when the
+    corpus runs out first it warns, naming both numbers.
+    """
+    _check_split(split)
+    budget_tokens = cfg.train_tokens if split == "train" else cfg.eval_tokens
+    num_sequences = token_budget_to_sequences(budget_tokens, cfg.context_length)
+    docs = split_documents(cfg).documents(split)
+    produced = start_sequence
+    sequences = pack_sequences(docs, tokenizer, cfg, split, start_sequence)
+    for seq in itertools.islice(sequences, max(num_sequences - start_sequence, 0)):
+        produced += 1
+        yield seq
+    if produced < num_sequences:
+        _warn_short(split, produced, num_sequences, cfg)
+
+
+def _warn_short(split: str, produced: int, wanted: int, cfg: DataConfig) -> None:
+    key = f"{split}_tokens"
+    warnings.warn(
+        f"the {split} documents give only {produced:,} sequences of {cfg.context_length} tokens "
+        f"({produced * cfg.context_length:,} tokens), fewer than data.{key}={getattr(cfg, key):,} "
+        f"({wanted:,} sequences); add text, lower data.{key}, or change data.eval_fraction",
+        stacklevel=3,
+    )
+
+
+def batch_sequences(
+    seqs: Iterable[torch.Tensor], batch_size: int, drop_last: bool = False
+) -> Iterator[torch.LongTensor]:
+    """Stack sequences (T,) into batches (B, T); the last batch may be smaller unless drop_last."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    seqs = iter(seqs)
+    while batch := list(itertools.islice(seqs, batch_size)):
+        if drop_last and len(batch) < batch_size:
+            return
+        yield torch.stack(batch)  # (B, T)
+
+
+def load_eval_sequences(cfg: DataConfig, tokenizer) -> torch.LongTensor:
+    """The held-out eval set (S, T), S = ceil(eval_tokens / T); the same for every method given (data, tokenizer).
+
+    Fewer sequences (with a warning naming both numbers) when the held-out documents run out; none is an error.
+    """
+    wanted = token_budget_to_sequences(cfg.eval_tokens, cfg.context_length)
+    docs = split_documents(cfg).eval()
+    sequences = list(itertools.islice(pack_sequences(docs, tokenizer, cfg, "eval"), wanted))
+    if not sequences:
+        raise ValueError(
+            f"the held-out documents (data.eval_fraction={cfg.eval_fraction}, data.seed={cfg.seed}) do not fill a "
+            f"single sequence of data.context_length={cfg.context_length} tokens; add text, raise data.eval_fraction "
+            "or lower data.context_length"
+        )
+    if len(sequences) < wanted:
+        _warn_short("eval", len(sequences), wanted, cfg)
+    return torch.stack(sequences)  # (S, T)

@@ -1,0 +1,165 @@
+"""Splicing: build an expertize model from a base checkpoint and trained sparse layers, and save it.
+
+Like nanoGPT's `from_pretrained`: every key of the new model is accounted for — native weights are copied from the base
+under their own names and shapes (checked one by one), the replaced MLPs' weights are dropped, and the sparse layers'
+weights are inserted. Nothing else changes.
+"""
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from expertize.modeling import FAMILIES, SparseLayer, SparseSpec
+
+EXPERTIZE_PREFIX = "expertize_"
+# Config keys that describe the base class, not the architecture: the expertize config sets its own.
+_CLASS_KEYS = ("model_type", "architectures", "auto_map", "transformers_version", "sparse_layers")
+
+
+def base_family(model_type: str) -> str:
+    """The family key in `FAMILIES` for a base (or expertize) model_type; a clear error for anything else."""
+    family = model_type.removeprefix(EXPERTIZE_PREFIX)
+    if family not in FAMILIES:
+        raise ValueError(
+            f"unsupported architecture {model_type!r}: expertize can splice sparse layers into "
+            f"{', '.join(sorted(FAMILIES))} models"
+        )
+    return family
+
+
+def load_base_model(base: str | os.PathLike | PreTrainedModel, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """A causal LM from a hub id, a local dir or an already loaded module (returned as is)."""
+    if isinstance(base, PreTrainedModel):
+        return base
+    if _local_model_type(base).startswith(EXPERTIZE_PREFIX):
+        return load_expertize_model(base, dtype=dtype)
+    config = AutoConfig.from_pretrained(base)
+    base_family(config.model_type)  # fail before loading weights
+    return AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+
+
+def _local_model_type(path: str | os.PathLike) -> str:
+    """model_type from a local folder's config.json ("" for hub ids or folders without one)."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return ""
+    return json.loads(config_file.read_text(encoding="utf-8")).get("model_type", "")
+
+
+def load_expertize_model(path: str | os.PathLike, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """Load a saved expertize model with this library's classes (no remote code needed in-process)."""
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a saved model folder: it has no config.json")
+    # AutoConfig would ask for trust_remote_code for our model_type; the family is all we need from config.json.
+    model_type = _local_model_type(path)
+    if not model_type.startswith(EXPERTIZE_PREFIX):
+        raise ValueError(f"{path} is not an expertize model (config.json has model_type {model_type!r})")
+    return FAMILIES[base_family(model_type)][2].from_pretrained(path, dtype=dtype)
+
+
+def expertize_config(base_config, specs: Mapping[int, SparseSpec]):
+    """The expertize config for `base_config` with `specs` at their layers (added to any existing sparse layers)."""
+    family = base_family(base_config.model_type)
+    fields = {k: v for k, v in base_config.to_dict().items() if k not in _CLASS_KEYS}
+    sparse_layers = dict(getattr(base_config, "sparse_layers", {}) or {})
+    sparse_layers.update({str(i): spec.to_dict() for i, spec in specs.items()})
+    return FAMILIES[family][0](sparse_layers=sparse_layers, **fields)
+
+
+def splice(
+    base: str | os.PathLike | PreTrainedModel,
+    layers: Mapping[int, SparseLayer],
+    *,
+    dtype: torch.dtype | None = None,
+) -> PreTrainedModel:
+    """Return an expertize causal LM: `base` with `.mlp` of each layer in `layers` replaced by that sparse layer.
+
+    `base` is a hub id, a local dir or a loaded causal LM (GPT-2, GPT-NeoX/Pythia, Llama, Mistral, Qwen2, or an
+    expertize model, whose existing sparse layers are kept unless replaced). The sparse layers are copied, not shared.
+    """
+    base_model = load_base_model(base, dtype=dtype)
+    for index, layer in layers.items():
+        if not isinstance(layer, SparseLayer):
+            raise TypeError(
+                f"layer {index}: expected a sparse layer (expertize.modeling.SparseLayer), got {type(layer).__name__}"
+            )
+    family = base_family(base_model.config.model_type)
+    config = expertize_config(base_model.config, {int(i): layer.spec for i, layer in layers.items()})
+    model_cls = FAMILIES[family][2]
+    model = model_cls(config).to(dtype=next(base_model.parameters()).dtype)
+
+    state = _spliced_state_dict(model, base_model, {int(i): m for i, m in layers.items()}, model_cls._blocks_path)
+    model.load_state_dict(state, strict=True)
+    model.generation_config = copy.deepcopy(base_model.generation_config)
+    model.config.name_or_path = base_model.config.name_or_path
+    return model.eval() if not base_model.training else model
+
+
+def _spliced_state_dict(
+    model: nn.Module, base_model: nn.Module, layers: dict[int, SparseLayer], blocks_path: str
+) -> dict[str, torch.Tensor]:
+    target = model.state_dict()
+    replaced = tuple(f"{blocks_path}.{i}.mlp." for i in layers)
+    state = {k: v for k, v in base_model.state_dict().items() if not k.startswith(replaced)}
+    for index, layer in layers.items():
+        state.update({f"{blocks_path}.{index}.mlp.{k}": v for k, v in layer.state_dict().items()})
+    missing = sorted(set(target) - set(state))
+    unexpected = sorted(set(state) - set(target))
+    if missing or unexpected:
+        raise ValueError(
+            f"cannot splice: the base checkpoint does not fit the expertize model; missing keys {missing[:5]}, "
+            f"unexpected keys {unexpected[:5]}"
+        )
+    for key, value in state.items():
+        if value.shape != target[key].shape:
+            raise ValueError(f"cannot splice: {key} has shape {tuple(value.shape)} in the source but the expertize "
+                             f"model expects {tuple(target[key].shape)}")
+    return state
+
+
+def save_model(model: PreTrainedModel, output_dir: str | os.PathLike, tokenizer=None, overwrite: bool = False) -> Path:
+    """Save model (safetensors + remote-code files), tokenizer and generation config to `output_dir`, atomically:
+    everything is written to a temporary sibling folder that replaces `output_dir` only once complete."""
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not overwrite:
+        raise FileExistsError(f"{output_dir} already exists; choose another folder or pass overwrite=True")
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
+    try:
+        model.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        stale = [p.name for p in staging.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
+        assert not stale, f"non-safetensors weights written: {stale}"
+        if output_dir.exists():
+            shutil.rmtree(output_dir)
+        os.replace(staging, output_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return output_dir
+
+
+def splice_and_save(
+    base: str | os.PathLike | PreTrainedModel,
+    layers: Mapping[int, SparseLayer],
+    output_dir: str | os.PathLike,
+    *,
+    tokenizer=None,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> PreTrainedModel:
+    """`splice` then `save_model`; the tokenizer defaults to the base's when `base` is a path or hub id."""
+    if tokenizer is None and not isinstance(base, PreTrainedModel):
+        tokenizer = AutoTokenizer.from_pretrained(base)
+    model = splice(base, layers, dtype=dtype)
+    save_model(model, output_dir, tokenizer=tokenizer, overwrite=overwrite)
+    return model

@@ -1,0 +1,358 @@
+"""The data stage: documents, train/eval split, packing, resume, budgets, and the errors a recipe author meets."""
+
+import json
+import math
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+from expertize.conversion.data import (
+    DataConfig,
+    batch_sequences,
+    document_in_eval,
+    iter_documents,
+    iter_sequences,
+    load_eval_sequences,
+    pack_sequences,
+    shuffle_buffered,
+    split_documents,
+    token_budget_to_sequences,
+)
+
+NUM_DOCS = 200
+WORDS = [f"w{i}" for i in range(20)]
+SPECIALS = {"[UNK]": 0, "<s>": 1, "</s>": 2, "<pad>": 3}
+UNK, BOS, EOS, PAD = 0, 1, 2, 3
+T = 16
+
+
+def make_documents(n: int = NUM_DOCS) -> list[str]:
+    """Document i starts with its unique marker word m{i}, followed by 5..27 common words."""
+    return [" ".join([f"m{i}"] + [WORDS[(i + j) % len(WORDS)] for j in range(5 + (i * 7) % 23)]) for i in range(n)]
+
+
+def make_tokenizer(bos: bool = True) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer whose post-processor adds <s>, so forgetting add_special_tokens=False shows up."""
+    vocab = dict(SPECIALS)
+    for word in WORDS + [f"m{i}" for i in range(NUM_DOCS)]:
+        vocab[word] = len(vocab)
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if bos:
+        backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
+        return PreTrainedTokenizerFast(
+            tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="[UNK]", pad_token="<pad>"
+        )
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="[UNK]", pad_token="<pad>")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(make_documents()) + "\n\n", encoding="utf-8")
+    return path
+
+
+def data_config(corpus: Path, **overrides) -> DataConfig:
+    settings = dict(
+        paths=[str(corpus)],
+        context_length=T,
+        train_tokens=100 * T,
+        eval_tokens=4 * T,
+        eval_fraction=0.2,
+        shuffle_buffer_documents=32,
+    )
+    return DataConfig(**{**settings, **overrides})
+
+
+def markers(seqs, tok) -> set[str]:
+    return {w for s in seqs for w in tok.convert_ids_to_tokens(s.tolist()) if w.startswith("m")}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Documents and split
+
+
+def test_text_document_separators(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text("one a\ntwo\n\n  \nthree\n\n\nfour\n", encoding="utf-8")
+    docs = {
+        sep: list(iter_documents(DataConfig(paths=[str(path)], document_separator=sep)))
+        for sep in ("line", "blank_line", "file")
+    }
+    assert docs["line"] == ["one a", "two", "three", "four"]
+    assert docs["blank_line"] == ["one a\ntwo", "three", "four"]
+    assert docs["file"] == ["one a\ntwo\n\n  \nthree\n\n\nfour\n"]
+
+
+def test_globs_are_sorted_and_read_in_order(tmp_path):
+    for name, text in [("b.txt", "bee"), ("a.txt", "ay"), ("c.md", "skip")]:
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    assert list(iter_documents(DataConfig(paths=[str(tmp_path / "*.txt")]))) == ["ay", "bee"]
+
+
+def test_jsonl_and_parquet_read_text_column(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    texts = ["first doc", "", None, "x y"]
+    records = [{"id": i, "body": text} for i, text in enumerate(texts)]
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in records) + "\n\n", encoding="utf-8")
+    parquet = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(records), parquet)
+    for source, path in [("jsonl", jsonl), ("parquet", parquet)]:
+        cfg = DataConfig(source=source, paths=[str(path)], text_column="body")
+        assert list(iter_documents(cfg)) == ["first doc", "x y"], source
+
+
+@pytest.mark.parametrize("source", ["jsonl", "parquet"])
+def test_missing_text_column_names_the_columns_found(tmp_path, source):
+    records = [{"id": 0, "content": "hello"}]
+    path = tmp_path / f"d.{source}"
+    if source == "jsonl":
+        path.write_text(json.dumps(records[0]) + "\n", encoding="utf-8")
+    else:
+        pa = pytest.importorskip("pyarrow")
+        pytest.importorskip("pyarrow.parquet").write_table(pa.Table.from_pylist(records), path)
+    cfg = DataConfig(source=source, paths=[str(path)])
+    with pytest.raises(ValueError, match=r"no text column 'text'.*\['id', 'content'\].*data.text_column"):
+        list(iter_documents(cfg))
+
+
+def test_hub_source_uses_load_dataset(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    calls = []
+
+    def fake_load_dataset(name, config, split, streaming):
+        calls.append((name, config, split, streaming))
+        return iter([{"text": "a b"}, {"text": ""}, {"text": "c"}])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    cfg = DataConfig(source="hub", name="org/corpus", config="raw", split="validation")
+    assert list(iter_documents(cfg)) == ["a b", "c"]
+    assert calls == [("org/corpus", "raw", "validation", True)]
+
+
+def test_split_is_disjoint_complete_and_stable(corpus):
+    cfg = data_config(corpus)
+    split = split_documents(cfg)
+    train, held_out = list(split.train()), list(split.eval())
+    assert not set(train) & set(held_out)
+    assert sorted(train + held_out) == sorted(make_documents())
+    assert list(split.eval()) == held_out  # fresh iterator, same documents
+    fraction = sum(document_in_eval(i, seed=0, eval_fraction=0.05) for i in range(20_000)) / 20_000
+    assert 0.04 < fraction < 0.06
+    # Golden: the held-out set must not change across versions, processes or machines (blake2b, not hash()).
+    assert [i for i in range(40) if document_in_eval(i, seed=0, eval_fraction=0.2)] == [6, 10, 15, 28, 32, 37]
+    assert [document_in_eval(i, 0, 0.5) for i in range(64)] != [document_in_eval(i, 1, 0.5) for i in range(64)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Packing
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_sequences_are_full_length_bos_first_and_never_padded(corpus, tokenizer, split):
+    cfg = data_config(corpus)
+    seqs = list(pack_sequences(split_documents(cfg).documents(split), tokenizer, cfg, split))
+    assert seqs
+    for s in seqs:
+        assert s.dtype == torch.long and s.shape == (T,)
+        assert s[0] == BOS and BOS not in s[1:].tolist()
+        assert PAD not in s.tolist() and UNK not in s.tolist()
+
+
+def test_documents_are_packed_in_order_and_separated_by_eos(corpus, tokenizer):
+    cfg = data_config(corpus)
+    held_out = list(split_documents(cfg).eval())
+    seqs = list(pack_sequences(held_out, tokenizer, cfg, "eval"))
+    expected = [t for doc in held_out for t in tokenizer(doc, add_special_tokens=False)["input_ids"] + [EOS]]
+    content = [t for s in seqs for t in s[1:].tolist()]  # BOS stripped
+    assert len(content) == len(expected) // (T - 1) * (T - 1)  # only the ragged tail is dropped
+    assert content == expected[: len(content)]
+
+
+def test_bos_off_and_tokenizer_without_bos(corpus, tokenizer):
+    cfg = data_config(corpus, add_bos=False)
+    seqs = list(iter_sequences(cfg, tokenizer, "eval"))
+    assert all(s.shape == (T,) and BOS not in s.tolist() for s in seqs)
+    no_bos = make_tokenizer(bos=False)
+    assert all(BOS not in s.tolist() for s in iter_sequences(data_config(corpus), no_bos, "eval"))
+    with pytest.raises(ValueError, match="add_bos=true.*no BOS"):
+        next(iter_sequences(data_config(corpus, add_bos=True), no_bos, "eval"))
+
+
+def test_train_and_eval_never_share_a_document(corpus, tokenizer):
+    cfg = data_config(corpus)
+    train = list(iter_sequences(cfg, tokenizer, "train"))
+    held_out = load_eval_sequences(cfg, tokenizer)
+    train_markers, eval_markers = markers(train, tokenizer), markers(held_out, tokenizer)
+    assert train_markers and eval_markers
+    assert not train_markers & eval_markers
+
+
+def test_same_seed_same_stream_other_seed_different(corpus, tokenizer):
+    def run(seed):
+        cfg = data_config(corpus, seed=seed)
+        return torch.stack(list(iter_sequences(cfg, tokenizer))), load_eval_sequences(cfg, tokenizer)
+
+    (train_a, eval_a), (train_b, eval_b), (train_c, eval_c) = run(0), run(0), run(1)
+    assert torch.equal(train_a, train_b) and torch.equal(eval_a, eval_b)
+    assert not torch.equal(train_a[: len(train_c)], train_c[: len(train_a)])
+    assert markers(eval_a, tokenizer) != markers(eval_c, tokenizer)
+
+
+def marker_order(seqs, tok) -> list[int]:
+    return [int(w[1:]) for w in tok.convert_ids_to_tokens(torch.cat(list(seqs)).tolist()) if w.startswith("m")]
+
+
+def test_train_documents_are_shuffled_eval_are_not(corpus, tokenizer):
+    cfg = data_config(corpus)
+    train_order = marker_order(iter_sequences(cfg, tokenizer), tokenizer)
+    assert train_order != sorted(train_order)
+    eval_order = marker_order(load_eval_sequences(cfg, tokenizer), tokenizer)
+    assert eval_order == sorted(eval_order)
+    unshuffled = marker_order(iter_sequences(data_config(corpus, shuffle_documents=False), tokenizer), tokenizer)
+    assert unshuffled == sorted(unshuffled)
+
+
+def test_shuffle_buffer_is_a_seeded_permutation():
+    items = [str(i) for i in range(100)]
+    shuffled = list(shuffle_buffered(items, buffer_size=10, seed=3))
+    assert sorted(shuffled) == sorted(items) and shuffled != items
+    assert shuffled == list(shuffle_buffered(items, buffer_size=10, seed=3))
+    assert list(shuffle_buffered(items, buffer_size=1, seed=3)) == items
+    whole = list(shuffle_buffered(items, buffer_size=1000, seed=3))  # never fills: only the final shuffle acts
+    assert sorted(whole) == sorted(items) and whole != items
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_resume_from_start_sequence_equals_tail_of_full_run(corpus, tokenizer, split):
+    cfg = data_config(corpus)
+    docs = split_documents(cfg)
+    full = list(pack_sequences(docs.documents(split), tokenizer, cfg, split))
+    for start in (0, 1, 7, len(full) - 1, len(full), len(full) + 3):
+        resumed = list(pack_sequences(docs.documents(split), tokenizer, cfg, split, start_sequence=start))
+        assert len(resumed) == max(len(full) - start, 0)
+        assert all(torch.equal(a, b) for a, b in zip(resumed, full[start:]))
+    budgeted = list(iter_sequences(cfg, tokenizer, split))
+    resumed = list(iter_sequences(cfg, tokenizer, split, start_sequence=3))
+    assert len(resumed) == len(budgeted) - 3
+    assert all(torch.equal(a, b) for a, b in zip(resumed, budgeted[3:]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Budgets and batches
+
+
+def test_token_budget_to_sequences():
+    assert token_budget_to_sequences(128, 128) == 1
+    assert token_budget_to_sequences(129, 128) == 2
+    assert token_budget_to_sequences(1, 128) == 1
+
+
+def test_eval_budget_respected(corpus, tokenizer):
+    cfg = data_config(corpus, eval_tokens=3 * T + 1)
+    held_out = load_eval_sequences(cfg, tokenizer)
+    assert held_out.shape == (4, T)
+    assert torch.equal(held_out, load_eval_sequences(cfg, tokenizer))
+    train = list(iter_sequences(data_config(corpus, train_tokens=5 * T), tokenizer))
+    assert len(train) == 5
+
+
+def test_short_eval_set_warns_with_both_numbers(corpus, tokenizer):
+    cfg = data_config(corpus, eval_tokens=1_000_000)
+    with pytest.warns(UserWarning, match=r"eval documents give only \d+ sequences.*data.eval_tokens=1,000,000"):
+        held_out = load_eval_sequences(cfg, tokenizer)
+    assert held_out.shape[1] == T and 0 < held_out.shape[0] < math.ceil(1_000_000 / T)
+    with pytest.warns(UserWarning, match="data.train_tokens=10,000,000"):
+        list(iter_sequences(data_config(corpus, train_tokens=10_000_000), tokenizer))
+
+
+def test_empty_eval_set_is_an_error(corpus, tokenizer):
+    cfg = data_config(corpus, context_length=100_000)
+    with pytest.raises(ValueError, match="do not fill a single sequence.*context_length=100000"):
+        load_eval_sequences(cfg, tokenizer)
+
+
+def test_batch_sequences():
+    seqs = [torch.full((T,), i) for i in range(7)]
+    batches = list(batch_sequences(seqs, 3))
+    assert [tuple(b.shape) for b in batches] == [(3, T), (3, T), (1, T)]
+    assert torch.equal(torch.cat(batches), torch.stack(seqs))
+    assert [tuple(b.shape) for b in batch_sequences(seqs, 3, drop_last=True)] == [(3, T), (3, T)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Config errors
+
+
+def test_missing_file_error_names_the_path(tmp_path):
+    missing = tmp_path / "nope.txt"
+    with pytest.raises(FileNotFoundError, match=f"no such file '{missing}'.*fix the path"):
+        DataConfig(paths=[str(missing)])
+    with pytest.raises(FileNotFoundError, match="matches no file"):
+        DataConfig(paths=[str(tmp_path / "*.jsonl")])
+    with pytest.raises(IsADirectoryError, match="is a directory"):
+        DataConfig(paths=[str(tmp_path)])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(source="csv"), "data.source must be one of"),
+        (dict(paths=[]), "data.paths is empty"),
+        (dict(context_length=1), "context_length must be an integer >= 2"),
+        (dict(train_tokens=0), "train_tokens must be a positive integer"),
+        (dict(eval_tokens=-5), "eval_tokens must be a positive integer"),
+        (dict(eval_fraction=0.0), "eval_fraction must lie strictly between 0 and 1"),
+        (dict(eval_fraction=1.0), "eval_fraction must lie strictly between 0 and 1"),
+        (dict(document_separator="para"), "document_separator must be one of"),
+        (dict(add_bos="yes"), "add_bos must be 'auto', true or false"),
+        (dict(source="hub", paths=[]), "needs data.name"),
+    ],
+)
+def test_config_validation(corpus, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        DataConfig(**{"paths": [str(corpus)], **overrides})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Real tokenizer and corpus
+
+
+def test_stories260k_real_tokenizer_and_corpus():
+    root = os.environ.get("EXPERTIZE_TEST_DATA")
+    if not root:
+        pytest.skip("EXPERTIZE_TEST_DATA is not set (the folder with models/ and corpora/ that .ci/run provides)")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(root, "models", "stories260k"))
+    cfg = DataConfig(
+        paths=[os.path.join(root, "corpora", "stories260k_samples.txt")],
+        context_length=64,
+        train_tokens=20_000,
+        eval_tokens=5_000,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the budgets fit the corpus: no shortfall warning
+        train = torch.stack(list(iter_sequences(cfg, tok)))  # (S, T)
+        held_out = load_eval_sequences(cfg, tok)  # (S, T)
+    assert train.shape == (token_budget_to_sequences(20_000, 64), 64)
+    assert held_out.shape == (token_budget_to_sequences(5_000, 64), 64)
+    for seqs in (train, held_out):
+        assert (seqs[:, 0] == tok.bos_token_id).all() and not (seqs[:, 1:] == tok.bos_token_id).any()
+        assert (seqs == tok.eos_token_id).any()  # documents are separated
+        assert ((seqs >= 0) & (seqs < tok.vocab_size)).all()
+    first_held_out_document = next(split_documents(cfg).eval())
+    assert tok.decode(held_out[0], skip_special_tokens=True).strip()[:40] == first_held_out_document[:40]

@@ -1,0 +1,191 @@
+"""Splice sparse layers into tiny models of every family, save, and load through remote code in a fresh process."""
+
+import json
+
+import pytest
+import torch
+
+from expertize.conversion.splice import load_expertize_model, save_model, splice, splice_and_save
+from expertize.modeling import MxdLayer, MxdSpec, SkipTranscoderSpec, TranscoderSpec, build_sparse_layer
+from tests.conftest import D_HIDDEN, D_MODEL, FAMILY_NAMES, run_isolated, tiny_base_config, tiny_base_model
+
+GLU_FAMILIES = {"llama", "mistral", "qwen2"}
+ACTIVATION = {"gpt2": "gelu_new", "gpt_neox": "gelu"}
+
+
+def trained_like_layers(family: str) -> dict:
+    """An MxD at layer 0 (the base MLP's encoder type) and a skip transcoder at layer 1, with non-zero decoders."""
+    glu = family in GLU_FAMILIES
+    mxd = MxdSpec(
+        d_in=D_MODEL,
+        d_out=D_MODEL,
+        d_hidden=D_HIDDEN,
+        num_experts=24,
+        k=4,
+        encoder="glu" if glu else "mlp",
+        activation="silu" if glu else ACTIVATION[family],
+    )
+    layers = {0: build_sparse_layer(mxd), 1: build_sparse_layer(SkipTranscoderSpec(d_in=D_MODEL, d_out=D_MODEL, num_latents=48, k=4))}
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for layer in layers.values():
+            layer.W_dec.normal_(0, 0.2)
+            layer.b_dec.normal_(0, 0.1)
+    return layers
+
+
+REMOTE_CHECK = """
+import json, sys, torch
+from transformers import AutoModel, AutoModelForCausalLM
+folder = sys.argv[1] if len(sys.argv) > 1 else "model"
+ref = torch.load("reference.pt")
+model, info = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, output_loading_info=True)
+assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+with torch.no_grad():
+    logits = model(ref["input_ids"]).logits
+torch.testing.assert_close(logits, ref["logits"], rtol=1e-5, atol=1e-5)
+out = model.generate(ref["input_ids"][:1, :3], max_new_tokens=4, do_sample=False)
+assert out.shape == (1, 7), out.shape
+assert out[0].tolist() == ref["greedy"], (out[0].tolist(), ref["greedy"])
+base, info = AutoModel.from_pretrained(folder, trust_remote_code=True, output_loading_info=True)
+assert type(base).__module__.startswith("transformers_modules")
+# The headless model has no LM head: that checkpoint key is the only one left over (as for native models).
+assert not info["missing_keys"] and not info["mismatched_keys"], info
+assert info["unexpected_keys"] <= {"lm_head.weight", "embed_out.weight"}, info
+with torch.no_grad():
+    hidden = base(ref["input_ids"]).last_hidden_state
+    torch.testing.assert_close(model.get_output_embeddings()(hidden), ref["logits"], rtol=1e-5, atol=1e-5)
+sparse = [type(b.mlp).__name__ for b in model.%(blocks)s]
+try:
+    AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False)
+except ValueError as err:
+    assert "trust_remote_code" in str(err), err
+else:
+    raise AssertionError("trust_remote_code=False loaded custom code")
+print(json.dumps({"sparse": sparse, "class": type(model).__name__}))
+"""
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_roundtrip_through_remote_code(family, tmp_path, tokenizer):
+    base = tiny_base_model(family)
+    layers = trained_like_layers(family)
+    model = splice(base, layers)
+
+    # Native weights copied untouched; sparse layers copied (not shared) with their values.
+    spliced = model.state_dict()
+    blocks = type(model)._blocks_path
+    for key, value in base.state_dict().items():
+        if ".mlp." not in key:
+            assert torch.equal(spliced[key], value), key
+    for index, layer in layers.items():
+        for key, value in layer.state_dict().items():
+            assert torch.equal(spliced[f"{blocks}.{index}.mlp.{key}"], value)
+            assert spliced[f"{blocks}.{index}.mlp.{key}"].data_ptr() != value.data_ptr()
+
+    input_ids = torch.randint(4, 99, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(input_ids).logits
+        base_logits = base(input_ids).logits
+    assert not torch.allclose(logits, base_logits), "the sparse layers should change the output"
+    greedy = model.generate(input_ids[:1, :3], max_new_tokens=4, do_sample=False)[0].tolist()
+
+    save_model(model, tmp_path / "model", tokenizer=tokenizer)
+    files = {p.name for p in (tmp_path / "model").iterdir()}
+    assert {"model.safetensors", "config.json", "modeling_expertize.py", "configuration_expertize.py", "mxd.py",
+            "transcoder.py", "sparse_base.py", "sparse_layers.py", "tokenizer.json", "generation_config.json"} <= files
+    assert not any(name.endswith((".bin", ".pt")) for name in files)
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
+    assert config["model_type"] == f"expertize_{family}"
+
+    torch.save({"input_ids": input_ids, "logits": logits, "greedy": greedy}, tmp_path / "reference.pt")
+    out = run_isolated(REMOTE_CHECK % {"blocks": blocks}, tmp_path)
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["sparse"] == ["MxdLayer", "TranscoderLayer"]
+
+    # In-process reload with this library's classes gives the same logits too.
+    reloaded = load_expertize_model(tmp_path / "model")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids).logits, logits)
+
+
+def test_base_checkpoint_fills_everything_but_the_sparse_layers(tmp_path):
+    """load_state_dict of a base checkpoint fills every native parameter of an expertize model."""
+    base = tiny_base_model("gpt2")
+    model = splice(base, {1: build_sparse_layer(TranscoderSpec(d_in=D_MODEL, d_out=D_MODEL, num_latents=40, k=4))})
+    fresh = type(model)(model.config)
+    result = fresh.load_state_dict(base.state_dict(), strict=False)
+    assert sorted(result.missing_keys) == sorted(f"transformer.h.1.mlp.{k}" for k in ("W_enc", "b_enc", "W_dec", "b_dec"))
+    assert sorted(result.unexpected_keys) == sorted(k for k in base.state_dict() if k.startswith("transformer.h.1.mlp."))
+
+
+def test_splice_into_expertize_model_keeps_existing_layers():
+    base = tiny_base_model("llama")
+    first = splice(base, {0: build_sparse_layer(TranscoderSpec(d_in=D_MODEL, d_out=D_MODEL, num_latents=40, k=4))})
+    second = splice(first, {1: MxdLayer(MxdSpec(d_in=D_MODEL, d_out=D_MODEL, d_hidden=D_HIDDEN, num_experts=8, k=2))})
+    assert sorted(second.config.sparse_layers) == ["0", "1"]
+    assert {i: type(m).__name__ for i, m in second.sparse_layers().items()} == {0: "TranscoderLayer", 1: "MxdLayer"}
+    torch.testing.assert_close(second.model.layers[0].mlp.W_enc, first.model.layers[0].mlp.W_enc)
+
+
+def test_splice_and_save_from_a_local_dir(tmp_path, tokenizer):
+    base = tiny_base_model("gpt_neox")
+    base.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    layer = MxdLayer(MxdSpec(d_in=D_MODEL, d_out=D_MODEL, d_hidden=D_HIDDEN, num_experts=8, k=2))
+    splice_and_save(tmp_path / "base", {1: layer}, tmp_path / "out")
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+    with pytest.raises(FileExistsError, match="already exists"):
+        splice_and_save(tmp_path / "base", {1: layer}, tmp_path / "out")
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+    assert leftovers == []
+
+
+# -- bad input ---------------------------------------------------------------------------------------------------
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    from transformers import AutoModelForCausalLM, OPTConfig
+
+    opt = AutoModelForCausalLM.from_config(
+        OPTConfig(vocab_size=99, hidden_size=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2,
+                  word_embed_proj_dim=16)
+    )
+    layer = build_sparse_layer(TranscoderSpec(d_in=16, d_out=16, num_latents=32, k=2))
+    with pytest.raises(ValueError, match=r"unsupported architecture 'opt'.*gpt2, gpt_neox, llama, mistral, qwen2"):
+        splice(opt, {0: layer})
+
+
+def test_layer_index_out_of_range():
+    layer = build_sparse_layer(TranscoderSpec(d_in=D_MODEL, d_out=D_MODEL, num_latents=32, k=2))
+    with pytest.raises(ValueError, match=r"layer index 2 is out of range; this model has 2 layers \(valid indices 0..1\)"):
+        splice(tiny_base_model("gpt2"), {2: layer})
+
+
+def test_spec_dimensions_must_match_the_base_mlp():
+    layer = build_sparse_layer(TranscoderSpec(d_in=D_MODEL + 1, d_out=D_MODEL, num_latents=32, k=2))
+    with pytest.raises(ValueError, match=r"transcoder.d_in=33 does not match the base MLP's width 32"):
+        splice(tiny_base_model("llama"), {0: layer})
+
+
+def test_splice_rejects_modules_that_are_not_sparse_layers():
+    with pytest.raises(TypeError, match="expected a sparse layer"):
+        splice(tiny_base_model("gpt2"), {0: torch.nn.Linear(D_MODEL, D_MODEL)})
+
+
+def test_config_rejects_unknown_kind_and_bad_keys():
+    from expertize.modeling import ExpertizeGPT2Config
+
+    fields = {k: v for k, v in tiny_base_config("gpt2").to_dict().items() if k not in ("model_type", "transformers_version")}
+    with pytest.raises(ValueError, match="unknown sparse layer kind 'dense'"):
+        ExpertizeGPT2Config(sparse_layers={0: {"kind": "dense", "d_in": 32, "d_out": 32}}, **fields)
+    with pytest.raises(ValueError, match="key 'first' is not a layer index"):
+        ExpertizeGPT2Config(sparse_layers={"first": {}}, **fields)
+
+
+def test_load_expertize_model_rejects_a_base_checkpoint(tmp_path):
+    tiny_base_model("gpt2").save_pretrained(tmp_path / "base")
+    with pytest.raises(ValueError, match=r"is not an expertize model \(config.json has model_type 'gpt2'\)"):
+        load_expertize_model(tmp_path / "base")
