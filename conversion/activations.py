@@ -52,10 +52,12 @@ class ActivationBatches:
 
     def _chunk(self, index: int, stream: Iterator[torch.Tensor]) -> Batch:
         sequences = list(itertools.islice(stream, self.chunk_sequences))
-        mine = sequences[self.rank :: self.world_size]
-        if len(sequences) < self.chunk_sequences:
+        # The last chunk may be short (the token budget ends inside it); it must still fill one step on every rank.
+        usable = len(sequences) // self.world_size * self.world_size
+        mine = sequences[self.rank : usable : self.world_size]
+        if not mine or len(mine) * sequences[0].numel() < self.local_tokens:
             raise ValueError(
-                f"the training text ran out after {index} full chunks of {self.chunk_sequences} sequences; "
+                f"the training text ran out after {index} chunks of {self.chunk_sequences} sequences; "
                 "lower data.train_tokens or add text"
             )
         pieces: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -77,7 +79,8 @@ class ActivationBatches:
         stream = self.sequences_from(chunk * self.chunk_sequences)
         while True:
             data = self._chunk(chunk, stream)
-            for step in range(offset, self.steps_per_chunk):
+            n_tokens = next(iter(data.values()))[0].shape[0]
+            for step in range(offset, min(self.steps_per_chunk, n_tokens // self.local_tokens)):
                 window = slice(step * self.local_tokens, (step + 1) * self.local_tokens)
                 yield {layer: (x[window], y[window]) for layer, (x, y) in data.items()}
             chunk, offset = chunk + 1, 0

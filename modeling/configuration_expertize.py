@@ -5,12 +5,17 @@
 Every other field is the native config's, unchanged, so a base checkpoint's config round-trips.
 """
 
+import inspect
 from typing import Any, NamedTuple
 
 from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen2Config
 
+# Every bundle file must be a *direct* relative import of both entry files: transformers before PR #46022 (all of 4.x)
+# copies only the entry file's direct relative imports into the module cache when loading from a local folder.
+from .mxd import MxdSpec  # noqa: F401
 from .sparse_base import SparseSpec
 from .sparse_layers import spec_from_dict
+from .transcoder import TranscoderSpec  # noqa: F401
 
 
 class MlpShape(NamedTuple):
@@ -73,10 +78,30 @@ class _SparseLayersConfigMixin:
                     )
 
 
+def _legacy_rope_kwargs(parent: type, kwargs: dict) -> dict:
+    """transformers 5 writes RoPE settings as one `rope_parameters` dict; transformers 4.x configs take `rope_theta`
+    and `rope_scaling` (GPT-NeoX: `rotary_emb_base`, `rotary_pct`) instead and would keep the dict as an unused
+    attribute, silently running with their defaults. Where `parent` has no `rope_parameters` argument (4.x), translate.
+    """
+    params = inspect.signature(parent.__init__).parameters
+    if "rope_parameters" in params or not isinstance(kwargs.get("rope_parameters"), dict):
+        return kwargs
+    kwargs = dict(kwargs)
+    rope = dict(kwargs.pop("rope_parameters"))
+    legacy = {}
+    if "rope_theta" in rope:
+        legacy["rotary_emb_base" if "rotary_emb_base" in params else "rope_theta"] = rope.pop("rope_theta")
+    if "partial_rotary_factor" in rope:
+        legacy["rotary_pct" if "rotary_pct" in params else "partial_rotary_factor"] = rope.pop("partial_rotary_factor")
+    if rope.get("rope_type", "default") != "default":
+        legacy["rope_scaling"] = rope  # 4.x's rope_scaling: the same dict without rope_theta
+    return {**legacy, **kwargs}  # legacy keys already in the config win
+
+
 def _init_config(self, parent: type, sparse_layers: dict | None, kwargs: dict) -> None:
     # Only new attribute names may be set before the parent __init__ (it resets the native fields).
     self.sparse_layers = _normalize_sparse_layers(sparse_layers)
-    parent.__init__(self, **kwargs)
+    parent.__init__(self, **_legacy_rope_kwargs(parent, kwargs))
     self._validate_sparse_layers()
 
 

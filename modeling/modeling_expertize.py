@@ -19,6 +19,8 @@ from transformers import (
     Qwen2Model,
 )
 
+# Every bundle file must be a *direct* relative import of both entry files: transformers before PR #46022 (all of 4.x)
+# copies only the entry file's direct relative imports into the module cache when loading from a local folder.
 from .configuration_expertize import (
     ExpertizeGPT2Config,
     ExpertizeGPTNeoXConfig,
@@ -26,8 +28,10 @@ from .configuration_expertize import (
     ExpertizeMistralConfig,
     ExpertizeQwen2Config,
 )
+from .mxd import MxdLayer  # noqa: F401
 from .sparse_base import SparseLayer
 from .sparse_layers import build_sparse_layer
+from .transcoder import TranscoderLayer  # noqa: F401
 
 
 class ExpertizeModelMixin:
@@ -130,6 +134,19 @@ class ExpertizeGPTNeoXForCausalLM(ExpertizeCausalLMMixin, GPTNeoXForCausalLM):
     def __init__(self, config: ExpertizeGPTNeoXConfig):
         super().__init__(config)
         self._adopt_base_model()
+
+    # Checkpoints name the LM head `lm_head`, its transformers-5 name (5.x renames `embed_out` only for the native
+    # class: conversion_mapping skips custom code). transformers 4.x calls it `embed_out`; its loader and saver call
+    # these two hooks on the instance (5.x calls neither), so rename there when the head is `embed_out`.
+    def _fix_state_dict_key_on_load(self, key: str) -> tuple[str, bool]:
+        if key.startswith("lm_head.") and "embed_out" in self._modules:
+            return "embed_out." + key[len("lm_head.") :], True
+        return super()._fix_state_dict_key_on_load(key)
+
+    def _fix_state_dict_key_on_save(self, key: str) -> tuple[str, bool]:
+        if key.startswith("embed_out.") and "embed_out" in self._modules:
+            return "lm_head." + key[len("embed_out.") :], True
+        return super()._fix_state_dict_key_on_save(key)
 
 
 # -- Llama and Llama-like families (`model.layers[i].mlp`; gated SiLU MLP) -------------------------------------------

@@ -25,12 +25,12 @@ from .sparse_base import (
     SparseCode,
     SparseLayer,
     SparseSpec,
+    _LinearReluTopK,
     _require_bool,
     _require_choice,
     _require_int,
     canonical_activation,
     linear_bound,
-    relu_topk,
     sparse_rows_sum,
     uniform_,
 )
@@ -156,7 +156,8 @@ class MxdLayer(SparseLayer):
         """Sparse expert coefficients a = TopK(ReLU(Gx + b_G)) as (index, weight) pairs: (..., I) -> (..., K)."""
         lead = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])  # (T, I)
-        values, index = relu_topk(self.gate_logits(x), self._sample_k(self.spec.k))  # (T, K) each
+        # = relu_topk(self.gate_logits(x), k), with a backward over the K selected gate rows only (no dense (T, N) grad)
+        values, index = _LinearReluTopK.apply(x, self.W_gate, self.b_gate, self._sample_k(self.spec.k))  # (T, K) each
         code = self.code_hook(self._intervene_on_code(index, values))
         return SparseCode(code.top_k_index.view(*lead, -1), code.top_k_weights.view(*lead, -1))
 

@@ -223,6 +223,41 @@ def relu_topk(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return F.relu(values), indices
 
 
+class _LinearReluTopK(torch.autograd.Function):
+    """`relu_topk(F.linear(x, weight, bias), k)` with a backward that touches only the K selected rows of `weight`.
+
+    The gradient of the (T, N) logits is zero outside the K selected entries per token (g_tk), so the dense backward
+    (two T×N×I matmuls) reduces to gathers and scatters over T·K rows, which is exactly one `embedding_bag` and its
+    backward: grad x_t = Σ_k g_tk W[idx_tk], grad W[n] = Σ_{(t,k): idx_tk = n} g_tk x_t, grad b[n] = Σ_{idx_tk = n} g_tk.
+    Same values as the plain ops; gradients equal theirs up to float summation order.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, k):  # x (T, I), weight (N, I), bias (N,) or None
+        values, index = relu_topk(F.linear(x, weight, bias), k)  # (T, K) each
+        ctx.save_for_backward(x, weight, index, values)
+        ctx.mark_non_differentiable(index)
+        return values, index
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_values, _grad_index):
+        x, weight, index, values = ctx.saved_tensors
+        grad = torch.where(values > 0, grad_values, 0).to(weight.dtype)  # ReLU's backward, as F.relu's: (T, K)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad_w = grad_b = None
+        if need_x or need_w:
+            with torch.enable_grad():
+                w = weight.detach().requires_grad_(need_w)
+                grad_x = F.embedding_bag(index, w, per_sample_weights=grad, mode="sum")  # Σ_k g_tk W[idx_tk]: (T, I)
+            if need_w:
+                (grad_w,) = torch.autograd.grad(grad_x, w, grad_outputs=x.to(weight.dtype))  # (N, I)
+            grad_x = grad_x.detach().to(x.dtype) if need_x else None
+        if need_b:  # False when bias is None
+            grad_b = torch.zeros_like(weight[:, 0]).index_add_(0, index.reshape(-1), grad.reshape(-1))  # (N,)
+        return grad_x, grad_w, grad_b, None
+
+
 def uniform_(param: nn.Parameter, bound: float) -> None:
     nn.init.uniform_(param, -bound, bound)
 

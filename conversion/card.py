@@ -1,0 +1,469 @@
+"""Model cards: the README.md of a saved expertize model.
+
+    layer specs + recipe summary + metrics (+ lm-eval results)
+        ─► ModelCardData: base_model, library_name, pipeline_tag, tags, model-index (lm-eval results only)
+        ─► template `expertize/model_cards/expertize_model.md` (Jinja), filled with pre-formatted strings and rows
+        ─► model_dir/README.md, written atomically (a second call replaces the whole file)
+
+Numbers are formatted here, once: CE-like floats with 4 decimals (scientific below 1e-3), fractions as percentages,
+counts with thousands separators. A missing value renders as "—"; `metrics=None` renders "not run".
+"""
+
+import importlib.metadata
+import importlib.resources
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+__all__ = [
+    "CITATIONS",
+    "LAYER_KIND_INFO",
+    "TEMPLATE_NAME",
+    "format_count",
+    "format_number",
+    "format_percent",
+    "render_model_card",
+    "write_model_card",
+]
+
+TEMPLATE_NAME = "expertize_model.md"
+LM_EVAL_URL = "https://github.com/EleutherAI/lm-evaluation-harness"
+MISSING = "—"
+
+
+@dataclass(frozen=True)
+class KindInfo:
+    """How a card names one sparse layer kind."""
+
+    title: str
+    """Method name in prose, e.g. "Mixture of Decoders (MxD)"."""
+    unit: str
+    """What the sparse code indexes: "expert" or "latent"."""
+    units_field: str
+    """Spec field holding the number of units."""
+
+
+LAYER_KIND_INFO: dict[str, KindInfo] = {
+    "mxd": KindInfo("Mixture of Decoders (MxD)", "expert", "num_experts"),
+    "transcoder": KindInfo("TopK transcoder", "latent", "num_latents"),
+    "skip_transcoder": KindInfo("skip transcoder", "latent", "num_latents"),
+}
+
+def _arxiv_bibtex(key: str, *, title: str, authors: list[str], year: int, arxiv_id: str) -> str:
+    fields = {
+        "title": title,
+        "author": " and ".join(authors),
+        "journal": f"arXiv preprint arXiv:{arxiv_id}",
+        "year": year,
+        "eprint": arxiv_id,
+        "archivePrefix": "arXiv",
+        "url": f"https://arxiv.org/abs/{arxiv_id}",
+    }
+    body = ",\n".join(f"  {name:<13} = {{{value}}}" for name, value in fields.items())
+    return f"@article{{{key},\n{body}\n}}"
+
+
+# BibTeX of the paper behind each layer kind, cited by every card that uses the kind.
+CITATIONS: dict[str, str] = {
+    "mxd": _arxiv_bibtex(
+        "oldfield2025mxd",
+        title="Towards Interpretability Without Sacrifice: "
+        "Faithful Dense Layer Decomposition with Mixture of Decoders",
+        authors=[
+            "Oldfield, James",
+            "Im, Shawn",
+            "Li, Yixuan",
+            "Nicolaou, Mihalis A.",
+            "Patras, Ioannis",
+            "Chrysos, Grigorios G.",
+        ],
+        year=2025,
+        arxiv_id="2505.21364",
+    ),
+    "transcoder": _arxiv_bibtex(
+        "dunefsky2024transcoders",
+        title="Transcoders Find Interpretable LLM Feature Circuits",
+        authors=["Dunefsky, Jacob", "Chlenski, Philippe", "Nanda, Neel"],
+        year=2024,
+        arxiv_id="2406.11944",
+    ),
+    "skip_transcoder": _arxiv_bibtex(
+        "paulo2025transcoders",
+        title="Transcoders Beat Sparse Autoencoders for Interpretability",
+        authors=["Paulo, Gon{\\c{c}}alo", "Shabalin, Stepan", "Belrose, Nora"],
+        year=2025,
+        arxiv_id="2501.18823",
+    ),
+}
+
+# Spec fields shown in their own columns of the "Replaced layers" table; the rest go to "other settings".
+_LAYER_COLUMNS = (
+    "kind", "d_in", "d_out", "d_hidden", "num_experts", "num_latents", "num_units", "k", "num_parameters"
+)
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Number formatting
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def format_number(x: Any, decimals: int = 4) -> str:
+    """A float with `decimals` decimals; scientific (decimals - 1 decimals) when |x| < 1e-3 or >= 1e6."""
+    if x is None:
+        return MISSING
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return _cell(x)
+    if not math.isfinite(x):
+        return str(x)
+    if x == 0:
+        return "0"
+    if abs(x) < 1e-3 or abs(x) >= 1e6:
+        return f"{x:.{max(decimals - 1, 1)}e}"
+    return f"{x:.{decimals}f}"
+
+
+def format_count(x: Any) -> str:
+    """An integer with thousands separators (an integral float is shown as an integer)."""
+    if _is_number(x) and float(x).is_integer():
+        return f"{int(x):,}"
+    return format_number(x, 2)
+
+
+def format_percent(x: Any, decimals: int = 2) -> str:
+    """A fraction (1.0 = 100 %) as a percentage."""
+    if not _is_number(x):
+        return format_number(x)
+    return f"{100 * x:.{decimals}f}%"
+
+
+def _cell(x: Any) -> str:
+    """Any value as one Markdown table cell."""
+    if x is None:
+        return MISSING
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return format_count(x)
+    if isinstance(x, float):
+        return format_count(x) if x.is_integer() and abs(x) >= 1000 else f"{x:g}"
+    if isinstance(x, (list, tuple, dict)):
+        text = json.dumps(x, default=str)
+    else:
+        text = str(x)
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _code(x: Any) -> str:
+    return f"`{_cell(x)}`"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sections
+
+
+def _kind_info(kind: str) -> KindInfo:
+    return LAYER_KIND_INFO.get(kind, KindInfo(kind, "unit", "num_units"))
+
+
+def _num_units(spec: Mapping[str, Any]) -> Any:
+    info = _kind_info(spec.get("kind", ""))
+    for field in (info.units_field, "num_experts", "num_latents", "num_units"):
+        if field in spec:
+            return spec[field]
+    return None
+
+
+def _num_parameters(spec: Mapping[str, Any]) -> int | None:
+    """`num_parameters` from the spec dict, else counted by the spec class when the dict is a valid spec."""
+    if "num_parameters" in spec:
+        return spec["num_parameters"]
+    from expertize.modeling import spec_from_dict  # torch + transformers: only imported when needed
+
+    try:
+        return spec_from_dict(dict(spec)).num_parameters()
+    except (ValueError, TypeError, NotImplementedError):
+        return None
+
+
+def _layer_list(indices: list[int]) -> str:
+    words = [str(i) for i in indices]
+    if len(words) == 1:
+        return f"layer {words[0]}"
+    return "layers " + ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def _summary(base_model: str, layers: dict[int, dict]) -> str:
+    groups: dict[tuple, list[int]] = {}
+    for index, spec in layers.items():
+        groups.setdefault((spec.get("kind"), spec.get("k"), _num_units(spec)), []).append(index)
+    parts = []
+    for (kind, k, n_units), indices in groups.items():
+        info = _kind_info(kind)
+        one = len(indices) == 1
+        parts.append(
+            f"the MLP{'' if one else 's'} of {_layer_list(indices)} replaced by {'a ' if one else ''}{info.title} "
+            f"layer{'' if one else 's'} (K = {_cell(k)} of {_cell(n_units)} {info.unit}s active per token)"
+        )
+    base = f"[{base_model}](https://huggingface.co/{base_model})" if _REPO_ID.match(base_model) else f"`{base_model}`"
+    units = "/".join(sorted({_kind_info(spec.get("kind", "")).unit + "s" for spec in layers.values()}))
+    return (
+        f"{base} with {'; '.join(parts)}. Each sparse layer is a drop-in replacement for the dense MLP, trained to "
+        "reproduce its outputs; every other weight is the base model's, unchanged. The sparse code says which "
+        f"{units} fired on which token, and it can be read, steered and ablated at run time."
+    )
+
+
+def _layer_table(layers: dict[int, dict]) -> tuple[list[str], list[list[str]]]:
+    specs = list(layers.values())
+    has_hidden = any("d_hidden" in s for s in specs)
+    header = ["layer", "kind", "d_in → d_out"] + (["hidden"] if has_hidden else [])
+    unit_words = sorted({_kind_info(s.get("kind", "")).unit + "s" for s in specs})
+    header += [" / ".join(unit_words), "k", "parameters", "other settings"]
+    rows = []
+    for index, spec in layers.items():
+        others = ", ".join(f"{name}={_cell(value)}" for name, value in spec.items() if name not in _LAYER_COLUMNS)
+        row = [str(index), _code(spec.get("kind")), f"{_cell(spec.get('d_in'))} → {_cell(spec.get('d_out'))}"]
+        if has_hidden:
+            row.append(_cell(spec.get("d_hidden")))
+        row += [_cell(_num_units(spec)), _cell(spec.get("k")), format_count(_num_parameters(spec)), others or MISSING]
+        rows.append(row)
+    return header, rows
+
+
+def _metric_table(layer_metrics: Mapping[Any, Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    header = ["layer", "NMSE (MxD paper)", "relative MSE", "FVU", "MSE", "L0", "dead"]
+    rows = []
+    for index, m in sorted(layer_metrics.items(), key=lambda kv: int(kv[0])):
+        dead = format_count(m.get("dead_units"))
+        if m.get("num_units") is not None:
+            dead += f" / {format_count(m['num_units'])}"
+        if m.get("dead_fraction") is not None:
+            dead += f" ({format_percent(m['dead_fraction'])})"
+        rows.append(
+            [str(int(index))]
+            + [format_number(m.get(name)) for name in ("nmse_paper", "relative_mse", "fvu", "mse")]
+            + [format_number(m.get("l0"), 2), dead]
+        )
+    return header, rows
+
+
+def _ce_rows(ce: Mapping[str, Any], generation: Mapping[str, Any]) -> list[list[str]]:
+    rows = []
+    if ce:
+        rows += [
+            ("CE, base model", format_number(ce.get("base"))),
+            ("CE, sparse layers spliced in", format_number(ce.get("spliced"))),
+            ("ΔCE (spliced − base)", format_number(ce.get("delta"))),
+            ("KL(base ‖ spliced)", format_number(ce.get("kl_base_spliced"))),
+            ("CE, MLPs zero-ablated", format_number(ce.get("zero_ablation"))),
+            ("CE, MLPs mean-ablated", format_number(ce.get("mean_ablation"))),
+            ("CE recovered vs zero ablation", format_percent(ce.get("ce_recovered_zero"))),
+            ("CE recovered vs mean ablation", format_percent(ce.get("ce_recovered_mean"))),
+        ]
+    if generation.get("match_at_end") is not None:
+        size = [f"{format_count(generation['n_prompts'])} prompts"] if generation.get("n_prompts") else []
+        size += [f"{len(generation['match_curve'])} tokens"] if generation.get("match_curve") else []
+        label = "greedy continuations identical to base" + (f" ({' × '.join(size)})" if size else "")
+        rows.append((label, format_percent(generation["match_at_end"])))
+    return [list(row) for row in rows]
+
+
+def _match_rows(curve: list[Any]) -> list[tuple[str, str]]:
+    """The match curve at 1, 2, 4, 8, ... generated tokens and at its end."""
+    if not curve:
+        return []
+    positions, t = [], 1
+    while t < len(curve):
+        positions.append(t)
+        t *= 2
+    positions.append(len(curve))
+    return [(str(t), format_percent(curve[t - 1], 1)) for t in positions]
+
+
+def _lm_eval(lm_eval: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> tuple[list[list[str]], list[EvalResult]]:
+    rows, results = [], []
+    for task, task_metrics in lm_eval.items():
+        for metric, entry in task_metrics.items():
+            value, stderr, base = entry.get("value"), entry.get("stderr"), entry.get("base_value")
+            ours = format_number(value)
+            if _is_number(stderr):
+                ours += f" ± {format_number(stderr)}"
+            delta = f"{value - base:+.4f}" if _is_number(value) and _is_number(base) else MISSING
+            rows.append([_code(task), _code(metric), format_number(base), ours, delta])
+            if _is_number(value):
+                metric_type, _, metric_filter = str(metric).partition(",")  # lm-eval keys: "acc,none"
+                results.append(
+                    EvalResult(
+                        task_type="text-generation",
+                        dataset_type=task,
+                        dataset_name=task,
+                        metric_type=metric_type,
+                        metric_value=float(value),
+                        metric_name=str(metric) if metric_filter and metric_filter != "none" else None,
+                        source_name="lm-evaluation-harness",
+                        source_url=LM_EVAL_URL,
+                    )
+                )
+    return rows, results
+
+
+def _blocks_expr(model_dir: Path) -> str:
+    """`model.<path to the decoder blocks>` from the saved config's model_type, else the family-agnostic method."""
+    config_path = model_dir / "config.json"
+    if config_path.is_file():
+        model_type = json.loads(config_path.read_text(encoding="utf-8")).get("model_type", "")
+        from expertize.modeling import FAMILIES  # torch + transformers: only imported when needed
+
+        family = FAMILIES.get(str(model_type).removeprefix("expertize_"))
+        if family is not None:
+            return f"model.{family[2]._blocks_path}"
+    return "model.decoder_blocks()"
+
+
+def _recipe_files(model_dir: Path) -> list[str]:
+    return [f"`{p.name}`" for p in sorted(model_dir.glob("recipe*.y*ml")) if p.is_file()]
+
+
+def _default_model_name(base_model: str, layers: dict[int, dict]) -> str:
+    kinds = "-".join(dict.fromkeys(str(s.get("kind")) for s in layers.values())).replace("_", "-")
+    return f"{Path(base_model).name}-{kinds}-l{'-'.join(str(i) for i in layers)}"
+
+
+def _expertize_version() -> str:
+    try:
+        return importlib.metadata.version("expertize")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public API
+
+
+def render_model_card(
+    model_dir: str | os.PathLike,
+    *,
+    base_model: str,
+    layers: Mapping[int, Mapping[str, Any]],
+    recipe_summary: Mapping[str, Any] | None,
+    metrics: Mapping[str, Any] | None,
+    lm_eval: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
+    model_name: str | None = None,
+    repo_id: str | None = None,
+) -> ModelCard:
+    """The model card (metadata + body) without writing it; see `write_model_card` for the arguments."""
+    model_dir = Path(model_dir)
+    if not layers:
+        raise ValueError("layers is empty: a model card needs at least one replaced layer (layer index -> spec dict)")
+    layers = {int(i): dict(spec) for i, spec in sorted(layers.items(), key=lambda kv: int(kv[0]))}
+    for index, spec in layers.items():
+        if not spec.get("kind"):
+            raise ValueError(
+                f"layers[{index}] has no 'kind': every spec dict names its method, e.g. {{'kind': 'mxd', ...}}"
+            )
+    kinds = list(dict.fromkeys(spec["kind"] for spec in layers.values()))
+    model_name = model_name or (repo_id.split("/")[-1] if repo_id else _default_model_name(base_model, layers))
+
+    lm_eval_rows, eval_results = _lm_eval(lm_eval or {})
+    card_data = ModelCardData(
+        base_model=base_model,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=["expertize", *kinds, "sparse-experts", "interpretability"],
+        model_name=model_name,
+        eval_results=eval_results or None,
+    )
+
+    metrics = metrics or {}
+    layer_header, layer_rows = _layer_table(layers)
+    metric_header, metric_rows = _metric_table(metrics.get("layers") or {})
+    generation = metrics.get("generation") or {}
+    units = sorted({_kind_info(kind).unit for kind in kinds})
+    template = importlib.resources.files("expertize.model_cards").joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
+    return ModelCard.from_template(
+        card_data,
+        template_str=template,
+        model_name=model_name,
+        repo_id=repo_id or f"<user>/{model_name}",
+        summary=_summary(base_model, layers),
+        blocks_expr=_blocks_expr(model_dir),
+        example_layer=next(iter(layers)),
+        unit=units[0] if len(units) == 1 else "unit",
+        unit_plural=f"{units[0]}s" if len(units) == 1 else "units",
+        unit_plural_any=" / ".join(f"{u}s" for u in units),
+        layer_header=layer_header,
+        layer_rows=layer_rows,
+        recipe_rows=[[_code(key), _cell(value)] for key, value in (recipe_summary or {}).items()],
+        recipe_files=_recipe_files(model_dir),
+        evaluated=bool(metrics),
+        eval_tokens=format_count(metrics["eval_tokens"]) if metrics.get("eval_tokens") is not None else "",
+        metric_header=metric_header,
+        metric_rows=metric_rows,
+        ce_rows=_ce_rows(metrics.get("ce") or {}, generation),
+        match_rows=_match_rows(list(generation.get("match_curve") or [])),
+        n_prompts=format_count(generation.get("n_prompts")),
+        lm_eval_rows=lm_eval_rows,
+        citations=[CITATIONS[kind] for kind in kinds if kind in CITATIONS],
+        expertize_version=_expertize_version(),
+    )
+
+
+def write_model_card(
+    model_dir: str | os.PathLike,
+    *,
+    base_model: str,
+    layers: Mapping[int, Mapping[str, Any]],
+    recipe_summary: Mapping[str, Any] | None,
+    metrics: Mapping[str, Any] | None,
+    lm_eval: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
+    model_name: str | None = None,
+    repo_id: str | None = None,
+) -> Path:
+    """Write `model_dir/README.md` (Hub metadata + card body) and return its path; a second call replaces it.
+
+    Args:
+        base_model: Hub id (or path) of the dense model the layers were taken from; goes into `base_model`.
+        layers: decoder layer index -> spec dict (`{"kind": "mxd", "d_in": ..., "k": ..., ...}`, as in the config's
+            `sparse_layers`), optionally with "num_parameters" (counted from the spec when absent and valid).
+        recipe_summary: setting -> value rows of the "Training" table (tokens, lr, steps, data source, seed, ...).
+        metrics: the evaluation dict (`{"layers": {"8": {"nmse_paper", "relative_mse", "fvu", "mse", "l0",
+            "dead_units", "dead_fraction", "num_units"}}, "ce": {"base", "spliced", "delta", "kl_base_spliced",
+            "zero_ablation", "mean_ablation", "ce_recovered_zero", "ce_recovered_mean"}, "generation":
+            {"match_curve", "match_at_end", "n_prompts"}, "eval_tokens"}`; fractions in [0, 1]); any key may be
+            missing. None: the card says evaluation was not run.
+        lm_eval: task -> metric -> {"value", "stderr", "base_value" (optional)}; also written as the card's
+            `model-index` (this model's values only).
+        model_name: the card's title and model-index name; default `<base>-<kinds>-l<layers>` (or repo_id's name).
+        repo_id: the Hub repository used in the loading snippet; default `<user>/<model_name>`.
+    """
+    model_dir = Path(model_dir)
+    card = render_model_card(
+        model_dir,
+        base_model=base_model,
+        layers=layers,
+        recipe_summary=recipe_summary,
+        metrics=metrics,
+        lm_eval=lm_eval,
+        model_name=model_name,
+        repo_id=repo_id,
+    )
+    model_dir.mkdir(parents=True, exist_ok=True)
+    path = model_dir / "README.md"
+    tmp = model_dir / f".README.md.{os.getpid()}.tmp"
+    try:
+        tmp.write_text(str(card), encoding="utf-8", newline="")
+        os.replace(tmp, path)  # atomic: readers see the old card or the new one, never half of one
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path

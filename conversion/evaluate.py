@@ -1,0 +1,375 @@
+"""Evaluate trained sparse layers against the base model on held-out sequences.
+
+Three views, following the MxD paper's protocol (§3 of shared/papers/digests/mxd.md):
+
+1. Reconstruction of each target MLP on held-out tokens (MLP input captured from the *base* model): the paper's
+   normalized MSE, relative MSE, FVU, MSE, plus L0 and dead units of the sparse code.
+2. Next-token cross-entropy with every target MLP replaced at once by its sparse layer ("spliced"), by zeros
+   ("zero ablation") and by its mean output ("mean ablation"), KL(base ‖ spliced) and CE loss recovered.
+3. Output faithfulness (paper App. B.1): greedy continuations of held-out prompts by the base and the spliced model,
+   and the fraction of prompts whose first n generated tokens are identical.
+
+Memory: sequences are processed `cfg.batch_sequences` at a time and only running sums are kept.
+
+    S eval sequences, L tokens per sequence, B batch, P prompts, C continuation tokens, N units, d model width.
+"""
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from expertize.modeling import SparseLayer
+
+from .capture import MlpCapture, replaced_mlps
+from .metrics import ReconstructionStats, kl_base_to_other, next_token_ce
+from .recipe import EvalConfig
+
+__all__ = ["evaluate_sparse_layers", "generation_match_curve", "plot_firing_frequency", "plot_match_curve"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Modules swapped in for the target MLPs
+
+
+class _CastToLayer(nn.Module):
+    """Runs `layer` on the hidden states moved to the layer's device and dtype, and returns the model's."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        tensor = next(iter(layer.parameters()), None)
+        if tensor is None:
+            tensor = next(iter(layer.buffers()), None)
+        self.device, self.dtype = (None, None) if tensor is None else (tensor.device, tensor.dtype)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = hidden_states if self.dtype is None else hidden_states.to(self.device, self.dtype)
+        return self.layer(x).to(hidden_states.device, hidden_states.dtype)
+
+    def encode(self, hidden_states: torch.Tensor):
+        x = hidden_states if self.dtype is None else hidden_states.to(self.device, self.dtype)
+        return self.layer.encode(x)
+
+
+class _ConstantMlp(nn.Module):
+    """An MLP ablation: outputs the same vector (zeros, or the mean MLP output) at every position."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("value", value, persistent=False)  # (d,)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        value = self.value.to(hidden_states.device, hidden_states.dtype)
+        return value.expand(*hidden_states.shape[:-1], value.shape[-1])  # (B, L, d)
+
+
+@contextlib.contextmanager
+def _eval_mode(*modules: nn.Module) -> Iterator[None]:
+    """Put modules in eval mode (no random K, no dropout) and restore each submodule's own flag afterwards."""
+    saved = [(m, m.training) for module in modules for m in module.modules()]
+    try:
+        for module in modules:
+            module.eval()
+        yield
+    finally:
+        for m, training in saved:
+            m.training = training
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    return getattr(model, "device", None) or next(model.parameters()).device
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running sums
+
+
+class _UnitFiring:
+    """How often each unit of one sparse layer fires (has a nonzero coefficient), and the mean L0 of its code."""
+
+    def __init__(self, num_units: int) -> None:
+        self.num_units = num_units
+        self.counts: torch.Tensor | None = None  # (N,) int64
+        self.nonzero = 0
+        self.tokens = 0
+
+    def update(self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
+        index = top_k_index.reshape(-1, top_k_index.shape[-1])  # (T, K)
+        fired = top_k_weights.reshape(index.shape) != 0  # (T, K)
+        counts = torch.bincount(index[fired], minlength=self.num_units)[: self.num_units]  # (N,)
+        self.counts = counts if self.counts is None else self.counts + counts
+        self.nonzero += int(fired.sum())
+        self.tokens += index.shape[0]
+
+    def summary(self) -> dict:
+        dead = int((self.counts == 0).sum())
+        return {
+            "l0": self.nonzero / self.tokens,
+            "dead_units": dead,
+            "dead_fraction": dead / self.num_units,
+            "num_units": self.num_units,
+        }
+
+
+class _CeSums:
+    """Token-weighted sums of next-token CE under each model variant, and of KL(base ‖ spliced)."""
+
+    def __init__(self) -> None:
+        self.sums = {"base": 0.0, "spliced": 0.0, "zero_ablation": 0.0, "mean_ablation": 0.0}
+        self.kl_base_spliced = 0.0
+        self.predicted_tokens = 0
+
+    def add(self, name: str, logits: torch.Tensor, input_ids: torch.Tensor) -> None:
+        self.sums[name] += float(next_token_ce(logits, input_ids).double().sum())
+
+    def summary(self) -> dict:
+        n = self.predicted_tokens
+        ce = {name: total / n for name, total in self.sums.items()}
+        return {
+            "base": ce["base"],
+            "spliced": ce["spliced"],
+            "delta": ce["spliced"] - ce["base"],
+            "kl_base_spliced": self.kl_base_spliced / n,
+            "zero_ablation": ce["zero_ablation"],
+            "mean_ablation": ce["mean_ablation"],
+            "ce_recovered_zero": _ce_recovered(ce["zero_ablation"], ce["spliced"], ce["base"]),
+            "ce_recovered_mean": _ce_recovered(ce["mean_ablation"], ce["spliced"], ce["base"]),
+            "predicted_tokens": n,
+        }
+
+
+def _ce_recovered(ablated: float, spliced: float, base: float) -> float | None:
+    """(CE_ablated − CE_spliced) / (CE_ablated − CE_base): 1 = as good as the base MLP, 0 = as bad as the ablation.
+    None when the ablation does not change the CE (the ratio is undefined)."""
+    gap = ablated - base
+    return None if gap == 0 else (ablated - spliced) / gap + 0.0  # + 0.0: no -0.0 in the report
+
+
+def _logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=input_ids, use_cache=False).logits  # (B, L, V)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Entry point
+
+
+@torch.no_grad()
+def evaluate_sparse_layers(
+    model: nn.Module,
+    layers: Mapping[int, SparseLayer],
+    eval_sequences: torch.LongTensor,
+    cfg: EvalConfig,
+    *,
+    plots_dir: Path | None = None,
+    mean_outputs: Mapping[int, torch.Tensor] | None = None,
+    progress: bool = True,
+) -> dict:
+    """Reconstruction, CE and generation faithfulness of `layers` spliced into the base causal LM `model`.
+
+    eval_sequences: (S, L) held-out token ids. mean_outputs: {layer: (d,)} MLP output used by the mean ablation
+    (the trainer passes the training mean); None: the mean over the eval tokens. Returns a JSON-able dict with keys
+    `layers`, `ce`, `generation` (None when cfg.generation_prompts is 0) and `eval_tokens`. With `plots_dir` (and
+    cfg.histogram for the firing histograms) PNGs are written there and their paths reported.
+    """
+    if not layers:
+        raise ValueError("evaluate_sparse_layers needs at least one sparse layer")
+    if eval_sequences.ndim != 2 or eval_sequences.shape[0] == 0 or eval_sequences.shape[1] < 2:
+        raise ValueError(
+            f"eval_sequences must be (sequences, tokens) with at least one sequence of >= 2 tokens, "
+            f"got shape {tuple(eval_sequences.shape)}"
+        )
+    if mean_outputs is not None:
+        missing = sorted(set(layers) - set(mean_outputs))
+        if missing:
+            raise ValueError(f"mean_outputs has no mean for layer(s) {missing}; give one per layer or pass None")
+    indices = sorted(layers)
+    spliced = {i: _CastToLayer(layers[i]) for i in indices}
+    d_model = model.get_input_embeddings().embedding_dim
+    zeros = {i: _ConstantMlp(torch.zeros(d_model)) for i in indices}
+
+    with _eval_mode(model, *layers.values()):
+        stats = {i: ReconstructionStats() for i in indices}
+        firing = {i: _UnitFiring(layers[i].num_units) for i in indices}
+        ce = _CeSums()
+        means = None if mean_outputs is None else {i: _ConstantMlp(mean_outputs[i].detach()) for i in indices}
+        for input_ids in _batches(model, eval_sequences, cfg.batch_sequences, progress, "eval"):
+            _reconstruction_and_ce(model, input_ids, spliced, zeros, means, stats, firing, ce)
+        if means is None:  # mean ablation needs the mean over all eval tokens first: a second pass
+            means = {i: _ConstantMlp(stats[i].mean_output().float()) for i in indices}
+            for input_ids in _batches(model, eval_sequences, cfg.batch_sequences, progress, "eval (mean ablation)"):
+                with replaced_mlps(model, means):
+                    ce.add("mean_ablation", _logits(model, input_ids), input_ids)
+        generation = _generation_faithfulness(model, spliced, eval_sequences, cfg, progress)
+
+    eval_tokens = eval_sequences.numel()
+    report_layers = {}
+    for i in indices:
+        histogram = None
+        if plots_dir is not None and cfg.histogram:
+            histogram = str(
+                plot_firing_frequency(
+                    firing[i].counts.cpu(), eval_tokens, Path(plots_dir) / f"firing_frequency_layer{i}.png", layer=i
+                )
+            )
+        report_layers[str(i)] = {**stats[i].as_dict(), **firing[i].summary(), "firing_frequency_histogram": histogram}
+    if generation is not None:
+        plot = None
+        if plots_dir is not None:
+            plot = str(plot_match_curve(generation["match_curve"], Path(plots_dir) / "generation_match.png"))
+        generation["match_curve_plot"] = plot
+    return {"layers": report_layers, "ce": ce.summary(), "generation": generation, "eval_tokens": eval_tokens}
+
+
+def _batches(
+    model: nn.Module, sequences: torch.Tensor, batch_size: int, progress: bool, desc: str
+) -> Iterator[torch.Tensor]:
+    from tqdm.auto import tqdm
+
+    device = _model_device(model)
+    starts = range(0, sequences.shape[0], batch_size)
+    for start in tqdm(starts, desc=desc, unit="batch", disable=not progress):
+        yield sequences[start : start + batch_size].to(device)  # (B, L)
+
+
+def _reconstruction_and_ce(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    spliced: Mapping[int, _CastToLayer],
+    zeros: Mapping[int, nn.Module],
+    means: Mapping[int, nn.Module] | None,
+    stats: Mapping[int, ReconstructionStats],
+    firing: Mapping[int, _UnitFiring],
+    ce: _CeSums,
+) -> None:
+    """One batch: one base forward gives the MLP (x, y) pairs and the base logits; then spliced and ablated runs."""
+    capture = MlpCapture(model, list(spliced), stop_early=False)
+    captured = capture(input_ids)  # {layer: (x, y)}, each (B*L, d)
+    base_logits = capture.last_logits  # (B, L, V)
+    for i, (x, y) in captured.items():
+        stats[i].update(spliced[i](x), y)
+        firing[i].update(*spliced[i].encode(x))
+    del captured
+    ce.predicted_tokens += input_ids.shape[0] * (input_ids.shape[1] - 1)
+    ce.add("base", base_logits, input_ids)
+    with replaced_mlps(model, spliced):
+        spliced_logits = _logits(model, input_ids)
+    ce.add("spliced", spliced_logits, input_ids)
+    ce.kl_base_spliced += float(kl_base_to_other(base_logits, spliced_logits).double().sum())
+    del base_logits, spliced_logits
+    with replaced_mlps(model, zeros):
+        ce.add("zero_ablation", _logits(model, input_ids), input_ids)
+    if means is not None:
+        with replaced_mlps(model, means):
+            ce.add("mean_ablation", _logits(model, input_ids), input_ids)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Output faithfulness (MxD paper App. B.1)
+
+
+def generation_match_curve(base_tokens: torch.Tensor, other_tokens: torch.Tensor) -> list[float]:
+    """Entry n-1: fraction of prompts whose first n generated tokens are identical in both, for n = 1..C.
+
+    base_tokens, other_tokens: (P, C) generated ids (prompts excluded). The curve never increases: a prompt counts
+    at n only if every one of its first n tokens matches.
+    """
+    if base_tokens.shape != other_tokens.shape or base_tokens.ndim != 2:
+        raise ValueError(
+            f"expected two (prompts, tokens) tensors of the same shape, got {tuple(base_tokens.shape)} and "
+            f"{tuple(other_tokens.shape)}"
+        )
+    same = (base_tokens == other_tokens).long()  # (P, C)
+    prefix_same = same.cumprod(dim=1)  # (P, C): 1 while every token so far matches
+    return prefix_same.double().mean(dim=0).tolist()
+
+
+def _generation_faithfulness(
+    model: nn.Module, spliced: Mapping[int, nn.Module], eval_sequences: torch.Tensor, cfg: EvalConfig, progress: bool
+) -> dict | None:
+    n_prompts = min(cfg.generation_prompts, eval_sequences.shape[0])
+    if n_prompts == 0:
+        return None
+    if cfg.prompt_tokens > eval_sequences.shape[1]:
+        raise ValueError(
+            f"eval.prompt_tokens={cfg.prompt_tokens} is longer than the eval sequences ({eval_sequences.shape[1]} "
+            "tokens, data.context_length); lower eval.prompt_tokens"
+        )
+    prompts = eval_sequences[:n_prompts, : cfg.prompt_tokens]  # (P, prompt_tokens)
+    base = _greedy_continuations(model, prompts, cfg, progress, "generate (base)")
+    with replaced_mlps(model, spliced):
+        other = _greedy_continuations(model, prompts, cfg, progress, "generate (spliced)")
+    curve = generation_match_curve(base, other)
+    return {"match_curve": curve, "match_at_end": curve[-1], "n_prompts": n_prompts}
+
+
+def _greedy_continuations(
+    model: nn.Module, prompts: torch.Tensor, cfg: EvalConfig, progress: bool, desc: str
+) -> torch.Tensor:
+    """Exactly `cfg.continuation_tokens` greedy tokens after each prompt (EOS suppressed until then): (P, C)."""
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = model.config.eos_token_id
+    pad = model.generation_config.pad_token_id
+    if pad is None:
+        pad = eos[0] if isinstance(eos, (list, tuple)) else eos
+    out = []
+    for input_ids in _batches(model, prompts, cfg.batch_sequences, progress, desc):
+        generated = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=cfg.continuation_tokens,
+            min_new_tokens=cfg.continuation_tokens,
+            pad_token_id=pad,
+        )  # (B, prompt_tokens + C)
+        out.append(generated[:, input_ids.shape[1] :].cpu())
+    return torch.cat(out)  # (P, C)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Plots (matplotlib's Agg canvas directly: no pyplot, no global backend change)
+
+
+def plot_firing_frequency(counts: torch.Tensor, tokens: int, path: Path, layer: int | None = None) -> Path:
+    """Histogram of log10(firing frequency) of the units that fired; dead units are counted in the title."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    counts = counts.double()
+    live = counts[counts > 0]
+    dead = counts.numel() - live.numel()
+    fig = Figure(figsize=(6, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    if live.numel():
+        ax.hist(torch.log10(live / tokens).numpy(), bins=50)
+    where = "" if layer is None else f"layer {layer}: "
+    ax.set_title(f"{where}{counts.numel():,} units over {tokens:,} tokens; {dead:,} dead (never fired)")
+    ax.set_xlabel("log10 firing frequency (fraction of tokens)")
+    ax.set_ylabel("units")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def plot_match_curve(curve: list[float], path: Path) -> Path:
+    """% of prompts whose greedy continuation is identical to the base model's up to n tokens (paper Figs. 6-7)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 4))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot(range(1, len(curve) + 1), [100 * v for v in curve], marker=".")
+    ax.set_ylim(0, 100)
+    ax.set_xlabel("generated tokens n")
+    ax.set_ylabel("% of prompts identical to base up to n")
+    ax.set_title("greedy continuations: spliced vs base")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return path

