@@ -1,6 +1,7 @@
 """`expertize` command line: one entry point, subcommands that are thin layers over the Python API."""
 
 import argparse
+import os
 import sys
 
 from .recipe import RecipeError
@@ -12,7 +13,8 @@ def _upcycle(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe, args.set)
     out = upcycle(recipe, progress=not args.no_progress)
-    print(f"expertize: wrote {out}")
+    if os.environ.get("RANK", "0") == "0":  # one report under data-parallel launches
+        print(f"expertize: wrote {out}")
     return 0
 
 
@@ -25,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
         "upcycle",
         help="distil sparse layers for a recipe's MLPs, evaluate, and write a Hub-loadable folder",
         description="Run a recipe end to end; running it again on the same output_dir resumes an interrupted run. "
-        "Data-parallel: `accelerate launch -m expertize upcycle RECIPE`.",
+        "Data-parallel: `accelerate launch --multi_gpu -m expertize upcycle RECIPE` on GPUs, "
+        "`torchrun --nproc_per_node N -m expertize upcycle RECIPE` on CPUs (gloo).",
     )
     up.add_argument("recipe", help="recipe YAML (see recipes/)")
     up.add_argument(

@@ -228,7 +228,7 @@ class _LinearReluTopK(torch.autograd.Function):
 
     The gradient of the (T, N) logits is zero outside the K selected entries per token (g_tk), so the dense backward
     (two T×N×I matmuls) reduces to gathers and scatters over T·K rows, which is exactly one `embedding_bag` and its
-    backward: grad x_t = Σ_k g_tk W[idx_tk], grad W[n] = Σ_{(t,k): idx_tk = n} g_tk x_t, grad b[n] = Σ_{idx_tk = n} g_tk.
+    backward: grad x_t = Σ_k g_tk W[idx_tk], grad W[n] = Σ_{idx_tk = n} g_tk x_t, grad b[n] = Σ_{idx_tk = n} g_tk.
     Same values as the plain ops; gradients equal theirs up to float summation order.
     """
 
@@ -254,7 +254,7 @@ class _LinearReluTopK(torch.autograd.Function):
                 (grad_w,) = torch.autograd.grad(grad_x, w, grad_outputs=x.to(weight.dtype))  # (N, I)
             grad_x = grad_x.detach().to(x.dtype) if need_x else None
         if need_b:  # False when bias is None
-            grad_b = torch.zeros_like(weight[:, 0]).index_add_(0, index.reshape(-1), grad.reshape(-1))  # (N,)
+            grad_b = weight.new_zeros(weight.shape[0]).index_add_(0, index.reshape(-1), grad.reshape(-1))  # (N,)
         return grad_x, grad_w, grad_b, None
 
 

@@ -170,3 +170,20 @@ def test_quickstart_recipe_runs_on_the_real_checkpoint(tmp_path):
     assert code == 0
     metrics = json.loads((tmp_path / "qs" / "metrics.json").read_text())
     assert metrics["ce"]["base"] < metrics["ce"]["mean_ablation"]
+
+
+def test_two_process_data_parallel_run_on_cpu(tiny_run):
+    """The same command under a 2-process launch (gloo on CPU: torchrun, which Accelerate reads) trains and finishes."""
+    tmp_path, tree = tiny_run
+    tree["data"]["train_tokens"] = 256 * 24
+    recipe = _write_recipe(tmp_path, tree, "ddp")
+    torchrun = Path(sys.executable).parent / "torchrun"
+    result = subprocess.run(
+        [str(torchrun), "--nproc_per_node", "2", "-m", "expertize", "upcycle", str(recipe), "--no-progress"],
+        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((tmp_path / "ddp" / "metrics.json").read_text())
+    assert metrics["train"] == {"steps": 24, "tokens": 256 * 24}
+    assert all(layer["fvu"] < 1.0 for layer in metrics["layers"].values())
+    assert result.stdout.count("expertize: wrote") == 1  # only the main process reports

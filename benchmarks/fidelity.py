@@ -1,0 +1,313 @@
+"""Fidelity of MxD vs TopK transcoder vs skip transcoder on real checkpoints, parameter-matched (MxD paper §3-5).
+
+The MxD paper's claim (Fig. 3; shared/papers/digests/mxd.md §5): at matched parameters and the same K, the CE increase
+when the MLP is replaced by MxD is far below that of a transcoder (TC) or skip transcoder (STC), e.g. at K=32 on GPT2
+layer 8 ΔCE is +0.003 (MxD) vs +0.025 (TC) / +0.021 (STC). This script checks that claim, on a small budget, with
+the real checkpoints in the shared data folder:
+
+    stories260k            Llama, 5 layers, d_model 64, SwiGLU 172 -> MxD encoder glu/silu (auto)  layer 2
+                           on corpora/stories260k_samples.txt (one story per line)
+    tiny-gpt2-shakespeare  GPT-2, 4 layers, d_model 128, gelu_new 512 -> MxD encoder mlp/gelu_new   layer 2
+                           on corpora/tinyshakespeare.txt (one speech per paragraph)
+
+For each model and each K, three runs of `expertize upcycle` that differ *only* in `layer.kind`:
+
+    mxd              match_transcoder: 32 (convention "exact": the largest N within the 32x transcoder's parameters)
+    transcoder       match_transcoder: 32 (32 x d_in latents)
+    skip_transcoder  match_transcoder: 32 (32 x d_in latents, plus the dense d_in x d_out skip matrix)
+
+Same K, same training tokens (same seed, same order), same held-out documents, same optimizer settings (AdamW, lr,
+warm-up, cosine decay to 0.1 lr, NMSE loss). Nothing is tuned per method.
+
+Runs go to <out>/<model>/<kind>-k<K>/; a run whose metrics.json exists is not run again (its recipe must equal the
+one this invocation would use), and an unfinished run resumes, so the script can be interrupted and restarted.
+The table is printed and written as <out>/fidelity.md and <out>/fidelity.json.
+
+Columns: parameters of the sparse layer (from the saved spec); NMSE as the paper defines it; FVU; ΔCE = CE(spliced)
+- CE(base); KL(base ‖ spliced) per token; CE recovered vs zero ablation; the fraction of greedy 32-token
+continuations (4-token held-out prompts) identical to the base model's. The verdict is, per (model, K),
+ΔCE(MxD)/ΔCE(TC) and ΔCE(MxD)/ΔCE(STC) against the target ratio ≤ 0.5.
+
+Run:  EXPERTIZE_DATA=/path/to/shared/data python benchmarks/fidelity.py
+      python benchmarks/fidelity.py --data /path/to/shared/data --ks 32,8 --train-tokens 250000
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import yaml
+
+MODELS = {
+    # name: (model folder, corpus, document separator, layer)
+    "stories260k": ("models/stories260k", "corpora/stories260k_samples.txt", "line", 2),
+    "tiny-gpt2-shakespeare": ("models/tiny-gpt2-shakespeare", "corpora/tinyshakespeare.txt", "blank_line", 2),
+}
+METHODS = ("mxd", "transcoder", "skip_transcoder")
+SHORT = {"mxd": "MxD", "transcoder": "TC", "skip_transcoder": "STC"}
+TARGET_RATIO = 0.5
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--data", default=os.environ.get("EXPERTIZE_DATA"),
+                   help="shared data folder holding models/ and corpora/ (default: $EXPERTIZE_DATA)")
+    p.add_argument("--out", default="runs/fidelity", help="output folder (default runs/fidelity)")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
+    p.add_argument("--ks", default="32,8", help="comma-separated K values (default 32,8)")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}")
+    p.add_argument("--train-tokens", type=int, default=245_760,
+                   help="training tokens per run, the same for every run (default 245,760 = 240 steps of 1,024; "
+                        "below the ~350k training tokens of the smaller corpus, tinyshakespeare)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate, shared by all runs (default 1e-3)")
+    p.add_argument("--warmup-steps", type=int, default=50, help="linear warm-up steps (default 50)")
+    p.add_argument("--tokens-per-step", type=int, default=1024, help="tokens per optimizer step (default 1024)")
+    p.add_argument("--context-length", type=int, default=128, help="tokens per packed sequence (default 128)")
+    p.add_argument("--eval-tokens", type=int, default=32_768, help="held-out evaluation tokens (default 32,768)")
+    p.add_argument("--generation-prompts", type=int, default=32, help="greedy-continuation prompts (default 32)")
+    p.add_argument("--match-transcoder", type=float, default=32, help="transcoder expansion factor (default 32)")
+    p.add_argument("--seed", type=int, default=0, help="data, init and shuffle seed (default 0)")
+    p.add_argument("--device", default="cpu", help="train.device: cpu (default), auto, cuda, ...")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
+    return p.parse_args()
+
+
+def build_tree(args: argparse.Namespace, model: str, kind: str, k: int, out_dir: Path) -> dict:
+    """The recipe of one run; only layer.kind and layer.k vary between runs of one model."""
+    model_dir, corpus, separator, layer = MODELS[model]
+    data = Path(args.data)
+    layer_cfg = {"kind": kind, "k": k, "match_transcoder": args.match_transcoder}
+    if kind == "mxd":
+        layer_cfg.update(match_convention="exact", encoder="auto", activation="auto")
+    return {
+        "base_model": str(data / model_dir),
+        "dtype": "float32",
+        "layers": [layer],
+        "layer": layer_cfg,
+        "data": {
+            "source": "text",
+            "paths": [str(data / corpus)],
+            "document_separator": separator,
+            "context_length": args.context_length,
+            "train_tokens": args.train_tokens,
+            "eval_tokens": args.eval_tokens,
+            "eval_fraction": 0.1,
+            "shuffle_documents": True,
+            "seed": args.seed,
+        },
+        "train": {
+            "lr": args.lr,
+            "warmup_steps": args.warmup_steps,
+            "schedule": "cosine",
+            "min_lr_ratio": 0.1,
+            "tokens_per_step": args.tokens_per_step,
+            "loss": "nmse",
+            "precision": "fp32",
+            "checkpoint_every": 100,
+            "log_every": 50,
+            "seed": args.seed,
+            "device": args.device,
+        },
+        "eval": {
+            "batch_sequences": 16,
+            "generation_prompts": args.generation_prompts,
+            "prompt_tokens": 4,
+            "continuation_tokens": 32,
+            "histogram": True,
+        },
+        "output_dir": str(out_dir),
+    }
+
+
+def run_one(tree: dict) -> tuple[dict, float | None, list[str]]:
+    """Run (or reuse) one upcycle; returns (metrics, seconds or None when reused, warnings raised)."""
+    from expertize.conversion.recipe import recipe_from_dict, recipe_to_dict
+    from expertize.conversion.upcycle import RESOLVED_RECIPE, upcycle
+
+    recipe = recipe_from_dict(tree, source="benchmarks/fidelity.py")
+    out = Path(recipe.output_dir)
+    if (out / "metrics.json").exists():
+        saved = yaml.safe_load((out / RESOLVED_RECIPE).read_text(encoding="utf-8"))
+        if saved != recipe_to_dict(recipe):
+            raise SystemExit(
+                f"{out} holds a finished run of a different recipe; remove it or choose another --out"
+            )
+        return json.loads((out / "metrics.json").read_text(encoding="utf-8")), None, []
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        upcycle(recipe, progress=False)
+    seconds = time.perf_counter() - start
+    messages = []
+    for w in caught:
+        message = f"{w.category.__name__}: {w.message}"
+        if message not in messages:
+            messages.append(message)
+    return json.loads((out / "metrics.json").read_text(encoding="utf-8")), seconds, messages
+
+
+def layer_parameters(out_dir: Path, layer: int) -> tuple[int, dict]:
+    """Parameter count of the saved sparse layer, from the spec in the saved model's config.json."""
+    from expertize.modeling import spec_from_dict
+
+    config = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))
+    spec = spec_from_dict(config["sparse_layers"][str(layer)])
+    return spec.num_parameters(), spec.to_dict()
+
+
+def row_for(model: str, kind: str, k: int, out_dir: Path, metrics: dict, seconds: float | None) -> dict:
+    layer = MODELS[model][3]
+    params, spec = layer_parameters(out_dir, layer)
+    m, ce, gen = metrics["layers"][str(layer)], metrics["ce"], metrics.get("generation") or {}
+    units = spec.get("num_experts", spec.get("num_latents"))
+    return {
+        "model": model,
+        "layer": layer,
+        "k": k,
+        "method": SHORT[kind],
+        "kind": kind,
+        "units": units,
+        "parameters": params,
+        "nmse_paper": m["nmse_paper"],
+        "fvu": m["fvu"],
+        "l0": m["l0"],
+        "dead_fraction": m["dead_fraction"],
+        "ce_base": ce["base"],
+        "ce_spliced": ce["spliced"],
+        "delta_ce": ce["delta"],
+        "kl": ce["kl_base_spliced"],
+        "ce_zero_ablation": ce["zero_ablation"],
+        "ce_recovered_zero": ce["ce_recovered_zero"],
+        "greedy_match_at_end": gen.get("match_at_end"),
+        "train_tokens": metrics["train"]["tokens"],
+        "eval_tokens": metrics["eval_tokens"],
+        "seconds": seconds,
+        "run_dir": str(out_dir),
+    }
+
+
+def ratio(num: float, den: float) -> float | None:
+    """ΔCE(MxD)/ΔCE(baseline); None when the baseline's ΔCE is not positive (the ratio is then meaningless)."""
+    return num / den if den > 0 else None
+
+
+def verdicts(rows: list[dict]) -> list[dict]:
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for k in dict.fromkeys(r["k"] for r in rows if r["model"] == model):
+            by = {r["kind"]: r for r in rows if r["model"] == model and r["k"] == k}
+            if "mxd" not in by:
+                continue
+            for base in ("transcoder", "skip_transcoder"):
+                if base not in by:
+                    continue
+                value = ratio(by["mxd"]["delta_ce"], by[base]["delta_ce"])
+                if value is None:
+                    verdict = "n/a"  # baseline ΔCE <= 0
+                else:
+                    verdict = "PASS" if value <= TARGET_RATIO else "FAIL"
+                out.append({"model": model, "k": k, "baseline": SHORT[base], "ratio": value, "verdict": verdict,
+                            "delta_ce_mxd": by["mxd"]["delta_ce"], "delta_ce_baseline": by[base]["delta_ce"]})
+    return out
+
+
+def _f(value, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return format(value, fmt)
+
+
+def format_tables(rows: list[dict], checks: list[dict], header: str) -> str:
+    cols = ["model", "layer", "K", "method", "units", "params", "NMSE(paper)", "FVU", "ΔCE", "KL", "CE rec.(zero)",
+            "greedy@32", "dead%", "base CE"]
+    lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for r in rows:
+        cells = [r["model"], str(r["layer"]), str(r["k"]), r["method"], f"{r['units']:,}", f"{r['parameters']:,}",
+                 _f(r["nmse_paper"], ".4f"), _f(r["fvu"], ".4f"), _f(r["delta_ce"], "+.4f"), _f(r["kl"], ".4f"),
+                 _f(r["ce_recovered_zero"], ".4f"), _f(r["greedy_match_at_end"], ".3f"),
+                 _f(100 * r["dead_fraction"], ".1f"), _f(r["ce_base"], ".4f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"ΔCE ratio, target ΔCE(MxD)/ΔCE(baseline) <= {TARGET_RATIO}:", "",
+              "| model | K | ratio | ΔCE MxD | ΔCE baseline | value | verdict |", "|---|---|---|---|---|---|---|"]
+    for c in checks:
+        lines.append(f"| {c['model']} | {c['k']} | ΔCE(MxD)/ΔCE({c['baseline']}) | {c['delta_ce_mxd']:+.4f} | "
+                     f"{c['delta_ce_baseline']:+.4f} | {_f(c['ratio'], '.3f')} | {c['verdict']} |")
+    n_pass = sum(c["verdict"] == "PASS" for c in checks)
+    lines += ["", f"{n_pass}/{len(checks)} comparisons PASS"]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    args = parse_args()
+    if not args.data:
+        print("error: give --data or set EXPERTIZE_DATA to the shared data folder (models/, corpora/)", file=sys.stderr)
+        return 2
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    ks = [int(k) for k in args.ks.split(",") if k.strip()]
+    for m in models:
+        if m not in MODELS:
+            print(f"error: unknown model {m!r}; choose from {', '.join(MODELS)}", file=sys.stderr)
+            return 2
+    for m in methods:
+        if m not in METHODS:
+            print(f"error: unknown method {m!r}; choose from {', '.join(METHODS)}", file=sys.stderr)
+            return 2
+    out_root = Path(args.out)
+    steps = args.train_tokens // args.tokens_per_step
+    header = (
+        f"Fidelity: MxD vs TC vs STC, parameter-matched to a {args.match_transcoder:g}x transcoder (MxD convention "
+        f"'exact'); {steps * args.tokens_per_step:,} training tokens per run ({steps} steps x {args.tokens_per_step} "
+        f"tokens, context {args.context_length}); AdamW lr {args.lr:g}, warm-up {args.warmup_steps}, cosine to 0.1 lr, "
+        f"NMSE loss, seed {args.seed}; eval on {args.eval_tokens:,} held-out tokens (10% of documents), greedy match "
+        f"over {args.generation_prompts} prompts x 32 tokens; torch threads {torch.get_num_threads()}"
+    )
+    print(header, flush=True)
+    rows, all_warnings = [], {}
+    start = time.perf_counter()
+    for model in models:
+        for k in ks:
+            for kind in methods:
+                out_dir = out_root / model / f"{kind}-k{k}"
+                tree = build_tree(args, model, kind, k, out_dir)
+                metrics, seconds, caught = run_one(tree)
+                row = row_for(model, kind, k, out_dir, metrics, seconds)
+                rows.append(row)
+                if caught:
+                    all_warnings[str(out_dir)] = caught
+                when = "reused" if seconds is None else f"{seconds:.0f}s"
+                print(f"  {model} L{row['layer']} K={k} {row['method']:<3} ({row['units']:,} units, "
+                      f"{row['parameters']:,} params): ΔCE {row['delta_ce']:+.4f}, NMSE {row['nmse_paper']:.4f}, "
+                      f"FVU {row['fvu']:.4f} [{when}]", flush=True)
+                for message in caught:
+                    print(f"    warning: {message}", flush=True)
+    wall = time.perf_counter() - start
+    checks = verdicts(rows)
+    text = format_tables(rows, checks, header)
+    print()
+    print(text)
+    print(f"\nwall time {wall:.0f}s (runs reused from earlier invocations count 0)")
+    out_root.mkdir(parents=True, exist_ok=True)
+    (out_root / "fidelity.md").write_text(text + "\n", encoding="utf-8")
+    (out_root / "fidelity.json").write_text(
+        json.dumps({"header": header, "args": vars(args), "rows": rows, "checks": checks, "warnings": all_warnings,
+                    "wall_seconds": wall}, indent=2),
+        encoding="utf-8",
+    )
+    print(f"wrote {out_root / 'fidelity.md'} and {out_root / 'fidelity.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
