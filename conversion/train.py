@@ -8,6 +8,7 @@ Data parallelism goes through 🤗 Accelerate: `accelerate launch -m expertize u
 import json
 import math
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,6 +169,7 @@ class Trainer:
             batches = _prepend(first, batches)
         autocast = torch.autocast(self.accelerator.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16")
         self.model.train()
+        started = time.perf_counter()
         while self.state.step < self.total_steps:
             batch = next(batches)
             with autocast:
@@ -177,6 +179,7 @@ class Trainer:
             self._step()
             self.state.step += 1
             record = self._record(losses)
+            record["seconds"] = round(time.perf_counter() - started, 3)  # since this process started fitting
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.4g}", l0=f"{record['l0']:.1f}", dead=record["dead"])
             if self.state.step % self.cfg.log_every == 0 or self.state.step == self.total_steps:

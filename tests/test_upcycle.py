@@ -136,6 +136,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tiny_run):
     log_b = (tmp_path / "killed" / "train_log.jsonl").read_text().splitlines()
     assert len(log_a) == len(log_b) == 30
     for a, b in zip(log_a, log_b):
+        assert json.loads(a)["step"] == json.loads(b)["step"]
         assert json.loads(a)["loss"] == pytest.approx(json.loads(b)["loss"], rel=1e-5)
 
 
