@@ -21,13 +21,13 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from expertize.conversion.activations import ActivationBatches
 from expertize.conversion.capture import MlpCapture
 from expertize.conversion.data import iter_sequences
 from expertize.conversion.metrics import LOSSES
 from expertize.conversion.recipe import load_recipe, resolve_layer_spec
 from expertize.conversion.splice import base_family, load_base_model
 from expertize.conversion.train import SparseStack, Trainer
+from expertize.conversion.upcycle import activation_batches
 from expertize.modeling import FAMILIES, build_sparse_layer
 from transformers import AutoTokenizer
 
@@ -81,16 +81,7 @@ def main() -> None:
         # Pipeline: the real trainer, data streamed and shuffled as in `expertize upcycle`.
         run_dir = Path(tmp) / "run"
         run_dir.mkdir()
-        batches = ActivationBatches(
-            MlpCapture(base, layers_idx),
-            lambda s: iter_sequences(data, tokenizer, split="train", start_sequence=s),
-            context_length=data.context_length,
-            tokens_per_step=train.tokens_per_step,
-            shuffle_buffer_tokens=min(train.shuffle_buffer_tokens, steps * train.tokens_per_step),
-            capture_batch_sequences=train.capture_batch_sequences,
-            seed=train.seed,
-            device=torch.device("cpu"),
-        )
+        batches = activation_batches(recipe, base, tokenizer, layers_idx, steps, torch.device("cpu"))
         trainer = Trainer(fresh_layers(), batches, train, total_steps=steps, run_dir=run_dir,
                           accelerator=Accelerator(cpu=True), progress=True)
         start = time.perf_counter()

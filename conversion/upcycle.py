@@ -60,17 +60,9 @@ def upcycle(recipe: Recipe, *, progress: bool = True) -> Path:
             f"data.train_tokens={data.train_tokens} is less than one step of train.tokens_per_step="
             f"{train.tokens_per_step}; raise the budget or lower tokens_per_step"
         )
-    batches = ActivationBatches(
-        MlpCapture(base, layer_ids),
-        lambda start: iter_sequences(data, tokenizer, split="train", start_sequence=start),
-        context_length=data.context_length,
-        tokens_per_step=train.tokens_per_step,
-        shuffle_buffer_tokens=min(train.shuffle_buffer_tokens, total_steps * train.tokens_per_step),
-        capture_batch_sequences=train.capture_batch_sequences,
-        seed=train.seed,
-        device=accelerator.device,
-        rank=accelerator.process_index,
-        world_size=accelerator.num_processes,
+    batches = activation_batches(
+        recipe, base, tokenizer, layer_ids, total_steps, accelerator.device,
+        rank=accelerator.process_index, world_size=accelerator.num_processes,
     )
     trainer = Trainer(
         layers, batches, train, total_steps=total_steps, run_dir=out, accelerator=accelerator, progress=progress
@@ -112,6 +104,27 @@ def upcycle(recipe: Recipe, *, progress: bool = True) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def activation_batches(
+    recipe: Recipe, base, tokenizer, layer_ids: list[int], total_steps: int, device: torch.device,
+    *, rank: int = 0, world_size: int = 1,
+) -> ActivationBatches:
+    """The recipe's training stream: packed train split -> captured (x, y) at `layer_ids` -> shuffled step batches."""
+    train, data = recipe.train, recipe.data
+    return ActivationBatches(
+        MlpCapture(base, layer_ids),
+        lambda start: iter_sequences(data, tokenizer, split="train", start_sequence=start),
+        context_length=data.context_length,
+        tokens_per_step=train.tokens_per_step,
+        # Never buffer beyond the run's budget (the stream ends there).
+        shuffle_buffer_tokens=min(train.shuffle_buffer_tokens, total_steps * train.tokens_per_step),
+        capture_batch_sequences=train.capture_batch_sequences,
+        seed=train.seed,
+        device=device,
+        rank=rank,
+        world_size=world_size,
+    )
 
 
 def _prepare_output_dir(out: Path, recipe: Recipe) -> None:
