@@ -66,7 +66,9 @@ def test_upcycle_writes_a_publishable_folder(tiny_run):
     assert [r["step"] for r in log] == list(range(4, 49, 4))
     assert log[-1]["loss"] < log[0]["loss"]
     provenance = json.loads((out / "provenance.json").read_text())
-    assert provenance["seed"] == 3 and provenance["packages"]["torch"] == torch.__version__.split("+")[0] or True
+    assert provenance["seed"] == 3
+    assert torch.__version__.startswith(provenance["packages"]["torch"])
+    assert provenance["packages"]["transformers"] and provenance["python"]
     assert "trust_remote_code=True" in (out / "README.md").read_text()
     assert list((out / "plots").glob("*.png"))
 
