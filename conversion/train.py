@@ -82,6 +82,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_steps))
         self.model, self.optimizer = accelerator.prepare(self.stack, self.optimizer)
         self.loss_fn = LOSSES[cfg.loss]
+        # MxD layers whose expert rows stay on the unit sphere (reference code's `norm_dec`).
+        self.unit_norm_layers = [m for m in layers.values() if isinstance(m, MxdLayer) and m.spec.unit_norm_experts]
         self.window_steps = max(1, DEAD_WINDOW_TOKENS // cfg.tokens_per_step)
         self.last_fired = {i: torch.full((layer.num_units,), -1, dtype=torch.long) for i, layer in layers.items()}
         self.state = TrainState(step=0, mean_outputs={})
@@ -193,15 +195,14 @@ class Trainer:
         return self.layers
 
     def _step(self) -> None:
-        mxd_unit_norm = [m for m in self.layers.values() if isinstance(m, MxdLayer) and m.spec.unit_norm_experts]
-        for layer in mxd_unit_norm:
+        for layer in self.unit_norm_layers:
             layer.project_expert_grads_()
         if self.cfg.grad_clip:
             self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        for layer in mxd_unit_norm:
+        for layer in self.unit_norm_layers:
             layer.renormalize_experts_()
 
     def _record(self, losses: dict[int, torch.Tensor]) -> dict:

@@ -85,7 +85,8 @@ def upcycle(recipe: Recipe, *, progress: bool = True) -> Path:
             progress=progress,
         )
         metrics["train"] = {"steps": total_steps, "tokens": total_steps * train.tokens_per_step}
-        model = splice(base.cpu().float() if recipe.dtype != "float32" else base.cpu(), {i: m.cpu() for i, m in layers.items()})
+        # Saved in float32 whatever dtype produced the activations (`.float()` is a no-op for a float32 base).
+        model = splice(base.cpu().float(), {i: m.cpu() for i, m in layers.items()})
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / "metrics.json").write_text(json.dumps(metrics, indent=2), encoding="utf-8")

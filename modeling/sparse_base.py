@@ -202,9 +202,6 @@ class SparseLayer(nn.Module):
             top_k_weights = torch.cat([top_k_weights, extra_weights], dim=-1)  # (T, K + S)
         return SparseCode(top_k_index, top_k_weights)
 
-    def _sample_k(self, k: int) -> int:
-        return k
-
 
 def sparse_rows_sum(code: SparseCode, rows: torch.Tensor) -> torch.Tensor:
     """Σ_k w_k · rows[idx_k] per token, touching only the selected rows (never densifying over N).
