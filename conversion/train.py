@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from expertize.modeling import MxdLayer, SparseLayer
+from expertize.modeling import SparseLayer
 
 from .activations import ActivationBatches
 from .metrics import LOSSES
@@ -82,8 +82,6 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_steps))
         self.model, self.optimizer = accelerator.prepare(self.stack, self.optimizer)
         self.loss_fn = LOSSES[cfg.loss]
-        # MxD layers whose expert rows stay on the unit sphere (reference code's `norm_dec`).
-        self.unit_norm_layers = [m for m in layers.values() if isinstance(m, MxdLayer) and m.spec.unit_norm_experts]
         self.window_steps = max(1, DEAD_WINDOW_TOKENS // cfg.tokens_per_step)
         self.last_fired = {i: torch.full((layer.num_units,), -1, dtype=torch.long) for i, layer in layers.items()}
         self.state = TrainState(step=0, mean_outputs={})
@@ -177,7 +175,9 @@ class Trainer:
             with autocast:
                 outputs = self.model({str(i): x for i, (x, _) in batch.items()})
             losses = {i: self.loss_fn(outputs[str(i)].float(), y.float()) for i, (_, y) in batch.items()}
-            self.accelerator.backward(sum(losses.values()))
+            # Routed layers' own auxiliary losses (load balance, ...), already weighted by their specs.
+            aux = [layer.aux_loss for layer in self.layers.values() if layer.aux_loss is not None]
+            self.accelerator.backward(sum(losses.values()) + sum(aux))
             self._step()
             self.state.step += 1
             record = self._record(losses)
@@ -195,15 +195,15 @@ class Trainer:
         return self.layers
 
     def _step(self) -> None:
-        for layer in self.unit_norm_layers:
-            layer.project_expert_grads_()
+        for layer in self.layers.values():
+            layer.before_optimizer_step()
         if self.cfg.grad_clip:
             self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        for layer in self.unit_norm_layers:
-            layer.renormalize_experts_()
+        for layer in self.layers.values():
+            layer.after_optimizer_step()
 
     def _record(self, losses: dict[int, torch.Tensor]) -> dict:
         step, per_layer = self.state.step, {}

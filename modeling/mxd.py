@@ -178,6 +178,14 @@ class MxdLayer(SparseLayer):
 
     # -- unit-norm experts (reference code's `norm_dec`) ----------------------------------------------------------
 
+    def before_optimizer_step(self) -> None:
+        if self.spec.unit_norm_experts:
+            self.project_expert_grads_()
+
+    def after_optimizer_step(self) -> None:
+        if self.spec.unit_norm_experts:
+            self.renormalize_experts_()
+
     @torch.no_grad()
     def renormalize_experts_(self) -> None:
         self.W_experts.div_(self.W_experts.norm(dim=-1, keepdim=True).clamp_min(1e-12))

@@ -142,6 +142,14 @@ class SparseLayer(nn.Module):
         # Interventions are run-time state, never saved: plain attributes, not buffers.
         self._steering: dict[int, float] = {}
         self._ablated: frozenset[int] = frozenset()
+        # Side channel for routed layers (transformers' MoEs record router logits from their router module; a
+        # swapped `.mlp` is invisible to that machinery, so the model collects these after the forward instead).
+        self.router_logits: torch.Tensor | None = None
+        """(T, E) router scores of the last forward, set by routed layers while `record_router_outputs` is on."""
+        self.aux_loss: torch.Tensor | None = None
+        """Scalar auxiliary loss of the last forward, *already weighted* by the spec's own coefficient(s); set by
+        layers that have one, while training or while `record_router_outputs` is on."""
+        self.record_router_outputs = False
 
     @property
     def num_units(self) -> int:
@@ -150,6 +158,26 @@ class SparseLayer(nn.Module):
 
     def reset_parameters(self) -> None:
         raise NotImplementedError
+
+    # -- router side channel and optimizer hooks ------------------------------------------------------------------
+
+    @property
+    def wants_router_outputs(self) -> bool:
+        """Whether this forward should compute `aux_loss` / keep `router_logits` (training, or asked by the model)."""
+        return self.training or self.record_router_outputs
+
+    def _set_router_outputs(self, router_logits: torch.Tensor | None, aux_loss: torch.Tensor | None) -> None:
+        if self.wants_router_outputs:
+            self.router_logits, self.aux_loss = router_logits, aux_loss
+
+    def clear_router_outputs(self) -> None:
+        self.router_logits = self.aux_loss = None
+
+    def before_optimizer_step(self) -> None:
+        """Called by trainers after backward, before the optimizer step (e.g. project gradients)."""
+
+    def after_optimizer_step(self) -> None:
+        """Called by trainers after the optimizer step (e.g. renormalize constrained weights)."""
 
     # -- interventions --------------------------------------------------------------------------------------------
 
