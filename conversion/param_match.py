@@ -10,6 +10,7 @@ Two conventions:
   bias and floors, which coincides with ``"exact"``.
 """
 
+import dataclasses
 import math
 from typing import Literal
 
@@ -49,3 +50,43 @@ def mxd_experts_for_transcoder(
             f"({without_experts:,}); raise the expansion factor"
         )
     return n
+
+
+def match_parameter_count(spec_cls: type, fields: dict, field: str, target: int, *, limit: int = 1 << 24) -> int:
+    """The largest value of `fields[field]` whose spec has at most `target` parameters.
+
+    Any spec kind works as long as its `num_parameters()` grows with `field` (experts, rank, ...). The search reads
+    the parameter formula without validation (so it can pass values the spec would reject), then steps down to the
+    nearest value the spec accepts (e.g. a perfect square for product-key experts).
+    """
+
+    def count(value: int) -> int:
+        raw = object.__new__(spec_cls)  # formula only: skips __post_init__ validation on purpose
+        for f in dataclasses.fields(spec_cls):
+            if f.name in fields:
+                setattr(raw, f.name, fields[f.name])
+            elif f.default is not dataclasses.MISSING:
+                setattr(raw, f.name, f.default)
+            elif f.default_factory is not dataclasses.MISSING:
+                setattr(raw, f.name, f.default_factory())
+        setattr(raw, field, value)
+        return raw.num_parameters()
+
+    if count(1) > target:
+        raise ValueError(
+            f"even {field}=1 gives {count(1):,} parameters, more than the target {target:,}; raise the expansion factor"
+        )
+    lo, hi = 1, 2
+    while hi < limit and count(hi) <= target:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # invariant: count(lo) <= target < count(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if count(mid) <= target else (lo, mid)
+    first_error = None
+    for value in range(lo, max(0, lo - 4096), -1):
+        try:
+            spec_cls(**{**fields, field: value})
+            return value
+        except ValueError as e:
+            first_error = first_error or e
+    raise ValueError(f"no valid {field} <= {lo} fits {target:,} parameters: {first_error}")

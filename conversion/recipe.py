@@ -40,10 +40,11 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from expertize.conversion.data import DataConfig
-from expertize.conversion.param_match import mxd_experts_for_transcoder
+from expertize.conversion.param_match import match_parameter_count, mxd_experts_for_transcoder
 from expertize.modeling.configuration_expertize import MlpShape
 from expertize.modeling.sparse_base import SparseSpec, canonical_activation
 from expertize.modeling.sparse_layers import LAYER_KINDS
+from expertize.modeling.transcoder import TranscoderSpec
 
 __all__ = [
     "EvalConfig",
@@ -83,17 +84,19 @@ class LayerConfig:
     """Sparse layer kind: "mxd", "transcoder" or "skip_transcoder" (any key of expertize.modeling.LAYER_KINDS)."""
 
     k: int = 32
-    """K: active experts (mxd) or latents (transcoders) per token."""
+    """K: active experts (mxd, routed kinds) or latents (transcoders) per token; for kinds with a top-k only."""
 
     num_experts: int | None = None
-    """mxd: N, the number of experts. Give it or `match_transcoder`, not both."""
+    """N, the number of experts (every kind except transcoders). Give it or `match_transcoder`, not both, unless
+    the kind's parameter matching picks another field (μMoE: the rank)."""
 
     num_latents: int | None = None
     """transcoders: L, the dictionary size. Give it or `match_transcoder`, not both."""
 
     match_transcoder: float | None = None
     """Size the layer like a transcoder of `match_transcoder * d_in` latents: transcoders get exactly that many;
-    mxd gets the N that matches that transcoder's parameter count (see `match_convention`)."""
+    mxd gets the N that matches that transcoder's parameter count (see `match_convention`); other kinds get the
+    largest N (or the field their spec names as `match_field`, e.g. μMoE's rank) within that parameter count."""
 
     match_convention: Literal["exact", "paper"] = "exact"
     """mxd parameter matching: "exact" (largest N within the transcoder's parameter count) or "paper" (reproduces
@@ -150,21 +153,32 @@ class LayerConfig:
                 )
 
     def _check_size(self) -> None:
-        """Exactly one of the explicit unit count and match_transcoder."""
+        """Exactly one of the explicit unit count and match_transcoder, unless matching sizes another field."""
         units = self.units_field
         if units is None:
             raise ValueError(f"layer.kind={self.kind!r}: its spec has neither num_experts nor num_latents")
         explicit = getattr(self, units)
-        if (explicit is None) == (self.match_transcoder is None):
-            state = "both are set" if explicit is not None else "neither is set"
+        match_field = _match_field(self.kind)
+        if match_field == units:
+            if (explicit is None) == (self.match_transcoder is None):
+                state = "both are set" if explicit is not None else "neither is set"
+                raise ValueError(
+                    f"layer: give exactly one of layer.{units} (explicit size) and layer.match_transcoder (size "
+                    f"matched to a transcoder of that expansion factor) for layer.kind={self.kind!r}; {state}"
+                )
+        else:
+            # e.g. μMoE: the expert count is a free choice and parameter matching picks the rank.
+            if self.match_transcoder is not None and match_field in self.options:
+                raise ValueError(
+                    f"layer: layer.match_transcoder chooses {match_field} for layer.kind={self.kind!r}; remove "
+                    f"layer.options.{match_field} or layer.match_transcoder"
+                )
+            if explicit is None and _field_default(LAYER_KINDS[self.kind][0], units) is dataclasses.MISSING:
+                raise ValueError(f"layer.{units}: required for layer.kind={self.kind!r}")
+        if self.match_convention != "exact" and self.kind != "mxd":
             raise ValueError(
-                f"layer: give exactly one of layer.{units} (explicit size) and layer.match_transcoder (size matched "
-                f"to a transcoder of that expansion factor) for layer.kind={self.kind!r}; {state}"
-            )
-        if self.match_transcoder is not None and units == "num_experts" and self.kind != "mxd":
-            raise ValueError(
-                f"layer.match_transcoder: parameter matching is implemented for mxd only, not {self.kind!r}; "
-                "set layer.num_experts"
+                f"layer.match_convention={self.match_convention!r} applies to mxd only (the MxD paper's Table 2); "
+                f"remove it for layer.kind={self.kind!r}"
             )
 
     def _check_options(self) -> None:
@@ -368,7 +382,9 @@ def resolve_layer_spec(layer: LayerConfig, shape: MlpShape) -> SparseSpec:
     """Build the validated sparse layer spec for one MLP of shape `shape` from the recipe's `layer:` section."""
     spec_cls = LAYER_KINDS[layer.kind][0]
     spec_fields = _spec_field_names(layer.kind)
-    fields: dict[str, Any] = {"kind": layer.kind, "d_in": shape.d_model, "d_out": shape.d_model, "k": layer.k}
+    fields: dict[str, Any] = {"kind": layer.kind, "d_in": shape.d_model, "d_out": shape.d_model}
+    if "k" in spec_fields:
+        fields["k"] = layer.k
     derived = ""
     if "d_hidden" in spec_fields:
         fields["d_hidden"] = layer.d_hidden if layer.d_hidden is not None else shape.d_hidden
@@ -378,16 +394,18 @@ def resolve_layer_spec(layer: LayerConfig, shape: MlpShape) -> SparseSpec:
         fields["activation"] = _auto_activation(shape) if layer.activation == "auto" else layer.activation
     fields.update(layer.options)
 
-    units = layer.units_field
+    units, match_field = layer.units_field, _match_field(layer.kind)
     if getattr(layer, units) is not None:
         fields[units] = getattr(layer, units)
+    if layer.match_transcoder is None:
+        pass
     elif units == "num_latents":
         fields[units] = round(layer.match_transcoder * shape.d_model)
         derived = (
             f" ({units}={fields[units]} = round(layer.match_transcoder={layer.match_transcoder} x "
             f"d_in={shape.d_model}))"
         )
-    else:
+    elif layer.kind == "mxd":
         try:
             fields[units] = mxd_experts_for_transcoder(
                 shape.d_model,
@@ -402,6 +420,16 @@ def resolve_layer_spec(layer: LayerConfig, shape: MlpShape) -> SparseSpec:
             raise RecipeError(f"layer.match_transcoder={layer.match_transcoder}: {e}") from None
         derived = (f" ({units}={fields[units]} was matched to a {layer.match_transcoder}x transcoder by "
                    f"layer.match_transcoder, convention {layer.match_convention!r})")
+    else:
+        latents = round(layer.match_transcoder * shape.d_model)
+        target = TranscoderSpec(d_in=shape.d_model, d_out=shape.d_model, num_latents=latents, k=1).num_parameters()
+        spec_kwargs = {name: value for name, value in fields.items() if name != "kind"}
+        try:
+            fields[match_field] = match_parameter_count(spec_cls, spec_kwargs, match_field, target)
+        except ValueError as e:
+            raise RecipeError(f"layer.match_transcoder={layer.match_transcoder}: {e}") from None
+        derived = (f" ({match_field}={fields[match_field]} is the largest value within a "
+                   f"{layer.match_transcoder}x transcoder's {target:,} parameters)")
     try:
         return spec_cls.from_dict(fields)
     except (ValueError, TypeError) as e:
@@ -815,8 +843,20 @@ def _dataclass_in(tp: Any) -> type | None:
 
 
 def _field_default(cls: type, name: str) -> Any:
+    """The field's default (dataclasses.MISSING when it has none)."""
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+    if f.default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _match_field(kind: str) -> str | None:
+    """The spec field that parameter matching (layer.match_transcoder) chooses: the unit count unless the spec
+    names another (`match_field`, e.g. μMoE's rank)."""
+    spec_cls = LAYER_KINDS[kind][0]
+    names = _spec_field_names(kind)
+    units = next((name for name in ("num_experts", "num_latents") if name in names), None)
+    return getattr(spec_cls, "match_field", units)
 
 
 def _spec_field_names(kind: str) -> set[str]:

@@ -101,7 +101,14 @@ def _legacy_rope_kwargs(parent: type, kwargs: dict) -> dict:
 def _init_config(self, parent: type, sparse_layers: dict | None, kwargs: dict) -> None:
     # Only new attribute names may be set before the parent __init__ (it resets the native fields).
     self.sparse_layers = _normalize_sparse_layers(sparse_layers)
+    # transformers' MoE names: the forward returns router logits and the auxiliary loss when asked, and adds
+    # `router_aux_loss_coef * aux_loss` to the LM loss. The layers' aux losses are already weighted by their own
+    # specs' coefficients (e.g. MoE-X's λ = 0.001), so the default global factor is 1.
+    output_router_logits = kwargs.pop("output_router_logits", False)
+    router_aux_loss_coef = kwargs.pop("router_aux_loss_coef", 1.0)
     parent.__init__(self, **_legacy_rope_kwargs(parent, kwargs))
+    self.output_router_logits = output_router_logits
+    self.router_aux_loss_coef = router_aux_loss_coef
     self._validate_sparse_layers()
 
 

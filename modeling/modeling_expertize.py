@@ -5,6 +5,10 @@ everything except the new layers.
 Part of the Hub bundle (`save_pretrained` copies this file and its single-dot imports next to the weights).
 """
 
+import contextlib
+from collections.abc import Iterator
+
+import torch
 from torch import nn
 from transformers import (
     GPT2LMHeadModel,
@@ -18,6 +22,7 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen2Model,
 )
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
 # Every bundle file must be a *direct* relative import of both entry files: transformers before PR #46022 (all of 4.x)
 # copies only the entry file's direct relative imports into the module cache when loading from a local folder.
@@ -59,8 +64,61 @@ class ExpertizeModelMixin:
         self.config.auto_map = dict(self._auto_map)
         return super().save_pretrained(*args, **kwargs)
 
+    def _wants_router_logits(self, output_router_logits: bool | None) -> bool:
+        if output_router_logits is None:
+            output_router_logits = getattr(self.config, "output_router_logits", False)
+        return bool(output_router_logits)
+
+    @contextlib.contextmanager
+    def _recording_router_outputs(self) -> Iterator[list[SparseLayer]]:
+        """Turn on the layers' router side channel for one forward; yields the layers in decoder order.
+
+        Only the context that switched recording on clears the stashed tensors, after its caller has read them.
+        """
+        layers = list(self.sparse_layers().values())
+        previous = [layer.record_router_outputs for layer in layers]
+        for layer in layers:
+            if not layer.record_router_outputs:
+                layer.clear_router_outputs()
+            layer.record_router_outputs = True
+        try:
+            yield layers
+        finally:
+            for layer, was_on in zip(layers, previous):
+                layer.record_router_outputs = was_on
+                if not was_on:
+                    layer.clear_router_outputs()
+
+    @staticmethod
+    def _router_outputs(layers: list[SparseLayer]) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """(router logits of the routed layers in decoder order, summed auxiliary loss or None)."""
+        router_logits = tuple(layer.router_logits for layer in layers if layer.router_logits is not None)
+        aux = [layer.aux_loss for layer in layers if layer.aux_loss is not None]
+        aux_loss = torch.stack([a.float().to(aux[0].device) for a in aux]).sum() if aux else None
+        return router_logits, aux_loss
+
 
 class ExpertizeBaseModelMixin(ExpertizeModelMixin):
+    _inside_causal_lm = False
+    """Set on the base model of a causal LM: the causal LM's forward collects the router outputs, and the native
+    causal-LM code expects the native output type from its base model."""
+
+    def forward(self, *args, output_router_logits: bool | None = None, **kwargs):
+        if self._inside_causal_lm or not self._wants_router_logits(output_router_logits):
+            return super().forward(*args, **kwargs)
+        return_dict = kwargs.pop("return_dict", None)
+        with self._recording_router_outputs() as layers:
+            out = super().forward(*args, return_dict=True, **kwargs)
+            router_logits, _ = self._router_outputs(layers)
+        result = MoeModelOutputWithPast(
+            last_hidden_state=out.last_hidden_state,
+            past_key_values=getattr(out, "past_key_values", None),
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
+            router_logits=router_logits,
+        )
+        return result.to_tuple() if return_dict is False else result
+
     def _install_sparse_layers(self) -> None:
         blocks = self.decoder_blocks()
         for index, spec in self.config.sparse_layer_specs().items():
@@ -73,6 +131,31 @@ class ExpertizeCausalLMMixin(ExpertizeModelMixin):
     _base_class: type
     _base_attr: str
 
+    def forward(self, *args, output_router_logits: bool | None = None, **kwargs):
+        """The native forward; with `output_router_logits` (argument or config) a `MoeCausalLMOutputWithPast` whose
+        `router_logits` holds one (T, E) tensor per routed sparse layer and whose `aux_loss` is the sum of the layers'
+        weighted auxiliary losses, added to `loss` times `config.router_aux_loss_coef` (transformers' MoE convention).
+        """
+        if not self._wants_router_logits(output_router_logits):
+            return super().forward(*args, **kwargs)
+        return_dict = kwargs.pop("return_dict", None)
+        with self._recording_router_outputs() as layers:
+            out = super().forward(*args, return_dict=True, **kwargs)
+            router_logits, aux_loss = self._router_outputs(layers)
+        loss = out.loss
+        if loss is not None and aux_loss is not None:
+            loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+        result = MoeCausalLMOutputWithPast(
+            loss=loss,
+            aux_loss=aux_loss,
+            logits=out.logits,
+            past_key_values=out.past_key_values,
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
+            router_logits=router_logits,
+        )
+        return result.to_tuple() if return_dict is False else result
+
     def _adopt_base_model(self) -> None:
         # The native causal-LM __init__ built a native base model. Rebuilding it as ours would initialize the whole
         # network twice, so re-class it in place instead (our subclass adds methods, no state) and swap its MLPs.
@@ -80,6 +163,7 @@ class ExpertizeCausalLMMixin(ExpertizeModelMixin):
         # nested PreTrainedModel with *its* `_init_weights`, which must know the sparse layers.
         base = getattr(self, self._base_attr)
         base.__class__ = self._base_class
+        base._inside_causal_lm = True
         base._install_sparse_layers()
         self.post_init()
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from expertize.conversion.param_match import mxd_experts_for_transcoder
+from expertize.conversion.param_match import match_parameter_count, mxd_experts_for_transcoder
 from expertize.modeling import (
     MxdLayer,
     MxdSpec,
@@ -136,6 +136,27 @@ def test_exact_parameter_matching_is_tight(encoder):
     budget = TranscoderSpec(d_in=64, d_out=64, num_latents=8 * 64, k=1).num_parameters()
     count = lambda n: MxdSpec(d_in=64, d_out=64, d_hidden=172, num_experts=n, k=1, encoder=encoder).num_parameters()
     assert count(n) <= budget < count(n + 1)
+
+
+@pytest.mark.parametrize("encoder", ["mlp", "glu"])
+def test_generic_parameter_matching_agrees_with_mxd_closed_form(encoder):
+    budget = TranscoderSpec(d_in=64, d_out=64, num_latents=8 * 64, k=1).num_parameters()
+    fields = dict(d_in=64, d_out=64, d_hidden=172, k=4, encoder=encoder)
+    assert match_parameter_count(MxdSpec, fields, "num_experts", budget) == mxd_experts_for_transcoder(
+        64, 64, 172, 8, encoder=encoder
+    )
+
+
+def test_generic_parameter_matching_steps_down_to_a_valid_value():
+    """Values the spec rejects (here: N < K near a tiny budget) are skipped, and an impossible budget says so."""
+    fields = dict(d_in=8, d_out=8, d_hidden=4, k=3)
+    one = MxdSpec(num_experts=1, k=1, d_in=8, d_out=8, d_hidden=4).num_parameters()
+    per_expert = 8 + 8 + 1
+    with pytest.raises(ValueError, match="no valid num_experts"):
+        match_parameter_count(MxdSpec, fields, "num_experts", one + per_expert)  # fits N = 2 < K = 3 only
+    assert match_parameter_count(MxdSpec, fields, "num_experts", one + 5 * per_expert) == 6
+    with pytest.raises(ValueError, match="raise the expansion factor"):
+        match_parameter_count(MxdSpec, fields, "num_experts", one - 1)
 
 
 def test_steering_adds_lambda_times_expert_output():
