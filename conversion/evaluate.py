@@ -165,9 +165,14 @@ def evaluate_sparse_layers(
     *,
     plots_dir: Path | None = None,
     mean_outputs: Mapping[int, torch.Tensor] | None = None,
+    spliced_model: nn.Module | None = None,
     progress: bool = True,
 ) -> dict:
     """Reconstruction, CE and generation faithfulness of `layers` spliced into the base causal LM `model`.
+
+    spliced_model: the converted model to compare with the base when it differs from "`model` with `layers`
+    swapped in", e.g. after end-to-end healing also changed attention weights; `layers` are then its sparse layers
+    and their reconstruction is still measured on the base model's MLP inputs.
 
     eval_sequences: (S, L) held-out token ids. mean_outputs: {layer: (d,)} MLP output used by the mean ablation
     (the trainer passes the training mean); None: the mean over the eval tokens. Returns a JSON-able dict with keys
@@ -190,19 +195,20 @@ def evaluate_sparse_layers(
     d_model = model.get_input_embeddings().embedding_dim
     zeros = {i: _ConstantMlp(torch.zeros(d_model)) for i in indices}
 
-    with _eval_mode(model, *layers.values()):
+    others = () if spliced_model is None else (spliced_model,)
+    with _eval_mode(model, *others, *layers.values()):
         stats = {i: ReconstructionStats() for i in indices}
         firing = {i: _UnitFiring(layers[i].num_units) for i in indices}
         ce = _CeSums()
         means = None if mean_outputs is None else {i: _ConstantMlp(mean_outputs[i].detach()) for i in indices}
         for input_ids in _batches(model, eval_sequences, cfg.batch_sequences, progress, "eval"):
-            _reconstruction_and_ce(model, input_ids, spliced, zeros, means, stats, firing, ce)
+            _reconstruction_and_ce(model, input_ids, spliced, zeros, means, stats, firing, ce, spliced_model)
         if means is None:  # mean ablation needs the mean over all eval tokens first: a second pass
             means = {i: _ConstantMlp(stats[i].mean_output().float()) for i in indices}
             for input_ids in _batches(model, eval_sequences, cfg.batch_sequences, progress, "eval (mean ablation)"):
                 with replaced_mlps(model, means):
                     ce.add("mean_ablation", _logits(model, input_ids), input_ids)
-        generation = _generation_faithfulness(model, spliced, eval_sequences, cfg, progress)
+        generation = _generation_faithfulness(model, spliced, eval_sequences, cfg, progress, spliced_model)
 
     eval_tokens = eval_sequences.numel()
     report_layers = {}
@@ -243,6 +249,7 @@ def _reconstruction_and_ce(
     stats: Mapping[int, ReconstructionStats],
     firing: Mapping[int, _UnitFiring],
     ce: _CeSums,
+    spliced_model: nn.Module | None = None,
 ) -> None:
     """One batch: one base forward gives the MLP (x, y) pairs and the base logits; then spliced and ablated runs."""
     capture = MlpCapture(model, list(spliced), stop_early=False)
@@ -254,8 +261,11 @@ def _reconstruction_and_ce(
     del captured
     ce.predicted_tokens += input_ids.shape[0] * (input_ids.shape[1] - 1)
     ce.add("base", base_logits, input_ids)
-    with replaced_mlps(model, spliced):
-        spliced_logits = _logits(model, input_ids)
+    if spliced_model is not None:
+        spliced_logits = _logits(spliced_model, input_ids)
+    else:
+        with replaced_mlps(model, spliced):
+            spliced_logits = _logits(model, input_ids)
     ce.add("spliced", spliced_logits, input_ids)
     ce.kl_base_spliced += float(kl_base_to_other(base_logits, spliced_logits).double().sum())
     del base_logits, spliced_logits
@@ -287,7 +297,12 @@ def generation_match_curve(base_tokens: torch.Tensor, other_tokens: torch.Tensor
 
 
 def _generation_faithfulness(
-    model: nn.Module, spliced: Mapping[int, nn.Module], eval_sequences: torch.Tensor, cfg: EvalConfig, progress: bool
+    model: nn.Module,
+    spliced: Mapping[int, nn.Module],
+    eval_sequences: torch.Tensor,
+    cfg: EvalConfig,
+    progress: bool,
+    spliced_model: nn.Module | None = None,
 ) -> dict | None:
     n_prompts = min(cfg.generation_prompts, eval_sequences.shape[0])
     if n_prompts == 0:
@@ -299,8 +314,11 @@ def _generation_faithfulness(
         )
     prompts = eval_sequences[:n_prompts, : cfg.prompt_tokens]  # (P, prompt_tokens)
     base = _greedy_continuations(model, prompts, cfg, progress, "generate (base)")
-    with replaced_mlps(model, spliced):
-        other = _greedy_continuations(model, prompts, cfg, progress, "generate (spliced)")
+    if spliced_model is not None:
+        other = _greedy_continuations(spliced_model, prompts, cfg, progress, "generate (spliced)")
+    else:
+        with replaced_mlps(model, spliced):
+            other = _greedy_continuations(model, prompts, cfg, progress, "generate (spliced)")
     curve = generation_match_curve(base, other)
     return {"match_curve": curve, "match_at_end": curve[-1], "n_prompts": n_prompts}
 

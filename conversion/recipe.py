@@ -255,6 +255,10 @@ class TrainConfig:
     device: str = "auto"
     """"auto" (cuda when available, else cpu), "cpu", "cuda", "cuda:N" or "mps"."""
 
+    distill: bool = True
+    """Layer-wise distillation on captured activations. false: skip it (e.g. a MoE initialized from the dense MLP
+    and then healed end to end; needs a `heal:` section)."""
+
     def __post_init__(self) -> None:
         _check_field_types(self, "train")
         if not self.lr > 0:
@@ -280,6 +284,93 @@ class TrainConfig:
             )
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise ValueError(f"train.device: expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', got {self.device!r}")
+
+
+@dataclasses.dataclass
+class HealConfig:
+    """End-to-end healing after distillation (recipe section `heal:`; leave it out for none).
+
+    The spliced model trains on text: the sparse layers fully, the rest of the model frozen or adapted with LoRA
+    (merged into the weights before saving). Routed layers' auxiliary losses are added, times
+    `router_aux_loss_coef`. Runs on one process.
+    """
+
+    tokens: int = 1_000_000
+    """Healing budget in tokens (sequences of data.context_length from the train split, from its start)."""
+
+    batch_sequences: int = 8
+    """Sequences per optimizer step."""
+
+    objective: Literal["kl", "lm"] = "kl"
+    """"kl": KL(base ‖ healed) of the next-token distributions (match the dense model's outputs); "lm": next-token
+    cross-entropy on the text."""
+
+    lr: float = 1e-4
+    """Peak learning rate (AdamW) of everything that trains."""
+
+    warmup_steps: int = 100
+    """Linear warm-up steps."""
+
+    schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    """Learning rate after warm-up."""
+
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine / linear schedules, as a fraction of `lr`."""
+
+    rest: Literal["frozen", "lora"] = "frozen"
+    """The non-sparse weights: "frozen", or "lora" (PEFT LoRA on `lora_target_modules`, merged before saving)."""
+
+    lora_r: int = 8
+    """LoRA rank."""
+
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator (the update is scaled by lora_alpha / lora_r)."""
+
+    lora_target_modules: list[str] | Literal["auto"] = "auto"
+    """Modules LoRA adapts (PEFT suffix names); "auto": the attention projections of the base family (GPT-2
+    attn.c_attn, attn.c_proj; GPT-NeoX attention.query_key_value, attention.dense; Llama-like q/k/v/o_proj)."""
+
+    lora_target_parameters: list[str] = dataclasses.field(default_factory=list)
+    """Sparse-layer parameters adapted by LoRA instead of trained fully (PEFT `target_parameters`, e.g.
+    ["mlp.W_enc", "mlp.W_dec"] for MoE-X's 3-D expert weights). Needs rest: lora."""
+
+    aux_loss_coef: float = 1.0
+    """Factor on the routed layers' auxiliary losses (router_aux_loss_coef of the saved config)."""
+
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this value; null: no clipping."""
+
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+
+    log_every: int = 10
+    """Log the healing metrics every this many steps."""
+
+    checkpoint_every: int = 200
+    """Write a resumable checkpoint every this many steps (0: none until the end)."""
+
+    def __post_init__(self) -> None:
+        _check_field_types(self, "heal")
+        if not self.lr > 0:
+            raise ValueError(f"heal.lr: must be > 0, got {self.lr}")
+        for name in ("tokens", "batch_sequences", "lora_r", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"heal.{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "checkpoint_every", "weight_decay", "aux_loss_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"heal.{name}: must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"heal.min_lr_ratio: must lie in [0, 1], got {self.min_lr_ratio}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"heal.grad_clip: must be > 0 (or null for no clipping), got {self.grad_clip}")
+        if self.rest != "lora":
+            for name in ("lora_target_parameters",):
+                if getattr(self, name):
+                    raise ValueError(f"heal.{name}: LoRA settings need heal.rest: lora (it is {self.rest!r})")
+            if self.lora_target_modules != "auto":
+                raise ValueError(f"heal.lora_target_modules: LoRA settings need heal.rest: lora (it is {self.rest!r})")
+        if self.lora_target_modules != "auto" and not self.lora_target_modules:
+            raise ValueError('heal.lora_target_modules: empty; list module names or write "auto"')
 
 
 @dataclasses.dataclass
@@ -339,6 +430,9 @@ class Recipe:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     """Optimization."""
 
+    heal: HealConfig | None = None
+    """End-to-end healing of the spliced model after distillation; null: none."""
+
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     """Evaluation after training."""
 
@@ -359,6 +453,11 @@ class Recipe:
             duplicates = sorted({i for i in self.layers if self.layers.count(i) > 1})
             if duplicates:
                 raise ValueError(f"layers: index {duplicates[0]} appears more than once in {self.layers}")
+        if not self.train.distill and self.heal is None:
+            raise ValueError(
+                "train.distill is false and there is no heal: section, so nothing would train; add a heal: section "
+                "or set train.distill: true"
+            )
 
 
 # ----------------------------------------------------------------------------------------------------------------

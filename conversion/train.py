@@ -133,14 +133,8 @@ class Trainer:
         return True
 
     def _truncate_log(self, step: int) -> None:
-        """Drop log lines written after the checkpoint, so a resumed run's log equals an uninterrupted one's."""
-        if not self.accelerator.is_main_process or not self.log_path.is_file():
-            return
-        lines = self.log_path.read_text(encoding="utf-8").splitlines()
-        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
-        tmp = self.log_path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        os.replace(tmp, self.log_path)
+        if self.accelerator.is_main_process:
+            truncate_log(self.log_path, step)
 
     # -- training ---------------------------------------------------------------------------------------------------
 
@@ -227,6 +221,18 @@ class Trainer:
         if self.accelerator.is_main_process:
             with self.log_path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Drop JSONL log lines written after `step` (the checkpoint's), so a resumed run's log equals an
+    uninterrupted one's."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def _prepend(first, rest):

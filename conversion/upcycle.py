@@ -27,6 +27,7 @@ from .capture import MlpCapture
 from .card import write_model_card
 from .data import iter_sequences, load_eval_sequences, token_budget_to_sequences
 from .evaluate import evaluate_sparse_layers
+from .heal import Healer
 from .recipe import Recipe, recipe_to_dict, resolve_layer_spec, resolve_layers
 from .splice import base_family, load_base_model, splice
 from .train import Trainer
@@ -54,23 +55,43 @@ def upcycle(recipe: Recipe, *, progress: bool = True) -> Path:
     layers: dict[int, SparseLayer] = {i: build_sparse_layer(spec) for i in layer_ids}
 
     train, data = recipe.train, recipe.data
-    total_steps = data.train_tokens // train.tokens_per_step
-    if total_steps < 1:
+    if recipe.heal is not None and accelerator.num_processes > 1:
         raise ValueError(
-            f"data.train_tokens={data.train_tokens} is less than one step of train.tokens_per_step="
-            f"{train.tokens_per_step}; raise the budget or lower tokens_per_step"
+            f"heal: end-to-end healing runs on one process, but this run has {accelerator.num_processes}; run the "
+            "recipe without torchrun / accelerate launch, or drop the heal: section"
         )
-    batches = activation_batches(
-        recipe, base, tokenizer, layer_ids, total_steps, accelerator.device,
-        rank=accelerator.process_index, world_size=accelerator.num_processes,
-    )
-    trainer = Trainer(
-        layers, batches, train, total_steps=total_steps, run_dir=out, accelerator=accelerator, progress=progress
-    )
-    trainer.fit()
-    trainer.save_checkpoint()  # a run killed during evaluation resumes straight into it
+    total_steps, mean_outputs = 0, None
+    if train.distill:
+        total_steps = data.train_tokens // train.tokens_per_step
+        if total_steps < 1:
+            raise ValueError(
+                f"data.train_tokens={data.train_tokens} is less than one step of train.tokens_per_step="
+                f"{train.tokens_per_step}; raise the budget or lower tokens_per_step"
+            )
+        batches = activation_batches(
+            recipe, base, tokenizer, layer_ids, total_steps, accelerator.device,
+            rank=accelerator.process_index, world_size=accelerator.num_processes,
+        )
+        trainer = Trainer(
+            layers, batches, train, total_steps=total_steps, run_dir=out, accelerator=accelerator, progress=progress
+        )
+        trainer.fit()
+        trainer.save_checkpoint()  # a run killed during evaluation resumes straight into it
+        mean_outputs = trainer.state.mean_outputs
     if not accelerator.is_main_process:
         return out
+
+    healed = healer = None
+    if recipe.heal is not None:
+        # The spliced model trains in float32 whatever dtype produced the activations.
+        spliced = splice(base, layers).float()
+        spliced.config.router_aux_loss_coef = recipe.heal.aux_loss_coef
+        healer = Healer(
+            spliced, base, tokenizer, data, recipe.heal,
+            family=family, run_dir=out, device=accelerator.device, precision=train.precision, progress=progress,
+        )
+        healed = healer.fit()
+        layers = healed.sparse_layers()
 
     eval_sequences = load_eval_sequences(data, tokenizer)
     staging = Path(tempfile.mkdtemp(prefix=".final.", dir=out))
@@ -81,12 +102,17 @@ def upcycle(recipe: Recipe, *, progress: bool = True) -> Path:
             eval_sequences,
             recipe.eval,
             plots_dir=staging / "plots",
-            mean_outputs=trainer.state.mean_outputs,
+            mean_outputs=mean_outputs,
+            spliced_model=healed,
             progress=progress,
         )
         metrics["train"] = {"steps": total_steps, "tokens": total_steps * train.tokens_per_step}
-        # Saved in float32 whatever dtype produced the activations (`.float()` is a no-op for a float32 base).
-        model = splice(base.cpu().float(), {i: m.cpu() for i, m in layers.items()})
+        if healer is not None:
+            metrics["heal"] = healer.summary()
+            model = healed.cpu()
+        else:
+            # Saved in float32 whatever dtype produced the activations (`.float()` is a no-op for a float32 base).
+            model = splice(base.cpu().float(), {i: m.cpu() for i, m in layers.items()})
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / "metrics.json").write_text(json.dumps(metrics, indent=2), encoding="utf-8")
@@ -167,8 +193,15 @@ def _publish(staging: Path, out: Path) -> None:
 
 
 def recipe_summary(recipe: Recipe, total_steps: int) -> dict:
-    data, train = recipe.data, recipe.train
+    data, train, heal = recipe.data, recipe.train, recipe.heal
     source = data.name if data.source == "hub" else ", ".join(Path(p).name for p in data.paths)
+    healing = {}
+    if heal is not None:
+        rest = f"LoRA r={heal.lora_r} on {heal.lora_target_modules}, merged" if heal.rest == "lora" else "frozen"
+        healing = {
+            "healing": f"end to end, {heal.objective} objective, {heal.tokens:,} tokens, lr {heal.lr}; rest of the "
+            f"model {rest}",
+        }
     return {
         "training tokens": total_steps * train.tokens_per_step,
         "steps": total_steps,
@@ -179,6 +212,7 @@ def recipe_summary(recipe: Recipe, total_steps: int) -> dict:
         "optimizer": f"AdamW (lr {train.lr}, warmup {train.warmup_steps}, {train.schedule})",
         "precision": train.precision,
         "seed": train.seed,
+        **healing,
     }
 
 

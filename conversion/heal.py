@@ -1,0 +1,250 @@
+"""End-to-end healing: train the spliced model on text after (or instead of) layer-wise distillation.
+
+Distillation fits each sparse layer to its MLP in isolation; errors still compound through the layers above it.
+Healing trains the whole spliced model against the dense model's next-token distributions (KL(base ‖ healed), the
+default) or the text itself (LM cross-entropy), plus the routed layers' auxiliary losses. The sparse layers train
+fully; the rest of the model is frozen or adapted with PEFT LoRA and merged back before saving, so the saved folder
+is a plain expertize model.
+
+    B sequences per step, L = data.context_length, V vocabulary.
+"""
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from expertize.modeling import SparseLayer
+
+from .data import DataConfig, batch_sequences, iter_sequences, token_budget_to_sequences
+from .metrics import kl_base_to_other, next_token_ce
+from .recipe import HealConfig
+from .train import lr_lambda, truncate_log
+
+# LoRA's default targets: the attention projections of each family (suffix names, as PEFT matches them). The
+# attention names are distinct from the MLP's (GPT-2's MLP also has a `c_proj`, hence the `attn.` prefix).
+ATTENTION_PROJECTIONS: dict[str, list[str]] = {
+    "gpt2": ["attn.c_attn", "attn.c_proj"],
+    "gpt_neox": ["attention.query_key_value", "attention.dense"],
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "mistral": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj"],
+}
+
+CHECKPOINT = "heal.pt"
+LOG = "heal_log.jsonl"
+
+
+def lora_config(cfg: HealConfig, family: str):
+    """The PEFT `LoraConfig` of `cfg` for a model of `family` (base model_type)."""
+    from peft import LoraConfig
+
+    targets = ATTENTION_PROJECTIONS[family] if cfg.lora_target_modules == "auto" else list(cfg.lora_target_modules)
+    return LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=0.0,  # PEFT's target_parameters allows no dropout; keep one setting for both
+        target_modules=targets,
+        target_parameters=list(cfg.lora_target_parameters) or None,
+        fan_in_fan_out=family == "gpt2",  # GPT-2's Conv1D stores weights as (in, out)
+        bias="none",
+    )
+
+
+def sparse_layer_modules(model: nn.Module) -> dict[str, SparseLayer]:
+    """Qualified name -> sparse layer, looking through PEFT wrappers (a wrapped layer is the wrapper's base layer)."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, SparseLayer)}
+
+
+def prepare_for_healing(model: nn.Module, cfg: HealConfig, family: str) -> nn.Module:
+    """Freeze the model, wrap it with LoRA when `cfg.rest == "lora"`, and make the sparse layers trainable.
+
+    Returns the model to train (a `PeftModel` with LoRA). Sparse parameters named in `cfg.lora_target_parameters`
+    stay frozen: LoRA adapts them instead.
+    """
+    model.requires_grad_(False)
+    layers = sparse_layer_modules(model)
+    adapted = {name.split(".")[-1] for name in cfg.lora_target_parameters}
+    fully_trained = [p for layer in layers.values() for name, p in layer.named_parameters() if name not in adapted]
+    if cfg.rest == "lora":
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora_config(cfg, family))
+    for p in fully_trained:  # PEFT froze everything but its adapters; the sparse layers train fully
+        p.requires_grad_(True)
+    return model
+
+
+def merge_healed(model: nn.Module) -> nn.Module:
+    """Fold LoRA updates into the weights and drop the PEFT wrapper (no-op for a model without one)."""
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    return model
+
+
+class Healer:
+    """Owns the optimizer, schedule, checkpoint and log of one healing run (single process)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        base: nn.Module,
+        tokenizer,
+        data: DataConfig,
+        cfg: HealConfig,
+        *,
+        family: str,
+        run_dir: Path,
+        device: torch.device,
+        precision: str = "fp32",
+        progress: bool = True,
+    ) -> None:
+        self.cfg, self.base, self.tokenizer, self.device, self.progress = cfg, base, tokenizer, device, progress
+        # Healing reads the train split from its start, with its own budget.
+        self.data = dataclasses.replace(data, train_tokens=cfg.tokens)
+        sequences = token_budget_to_sequences(cfg.tokens, data.context_length)
+        self.total_steps = sequences // cfg.batch_sequences
+        if self.total_steps < 1:
+            raise ValueError(
+                f"heal.tokens={cfg.tokens} is less than one step of heal.batch_sequences={cfg.batch_sequences} x "
+                f"data.context_length={data.context_length} tokens; raise heal.tokens or lower heal.batch_sequences"
+            )
+        self.checkpoint_path = run_dir / "checkpoint" / CHECKPOINT
+        self.log_path = run_dir / LOG
+        self.model = prepare_for_healing(model, cfg, family).to(device)
+        self.trainable = {name: p for name, p in self.model.named_parameters() if p.requires_grad}
+        self.optimizer = torch.optim.AdamW(
+            self.trainable.values(), lr=cfg.lr, weight_decay=cfg.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.total_steps))
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+        self.step = 0
+
+    # -- checkpoints ------------------------------------------------------------------------------------------------
+
+    def _saved_state(self) -> dict[str, torch.Tensor]:
+        """Everything healing changes: the trainable parameters and the sparse layers' buffers (e.g. router
+        statistics), never the frozen bulk of the model."""
+        prefixes = tuple(f"{name}." for name in sparse_layer_modules(self.model))
+        state = self.model.state_dict()
+        keep = set(self.trainable) | {key for key in state if key.startswith(prefixes)}
+        return {key: value for key, value in state.items() if key in keep}
+
+    def save_checkpoint(self) -> None:
+        self.checkpoint_path.parent.mkdir(parents=True, exist_ok=True)
+        state = {
+            "step": self.step,
+            "model": self._saved_state(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+        }
+        tmp = self.checkpoint_path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.checkpoint_path)
+
+    def load_checkpoint(self) -> bool:
+        if not self.checkpoint_path.is_file():
+            return False
+        state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=False)  # our own file
+        missing = set(state["model"]) - set(self.model.state_dict())
+        if missing:
+            raise ValueError(f"{self.checkpoint_path} does not fit this model (unknown keys {sorted(missing)[:3]})")
+        self.model.load_state_dict(state["model"], strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+        self.step = state["step"]
+        truncate_log(self.log_path, self.step)
+        return True
+
+    def summary(self) -> dict:
+        """What `metrics.json` records about the healing run."""
+        last = None
+        if self.log_path.is_file():
+            lines = [line for line in self.log_path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            last = json.loads(lines[-1]) if lines else None
+        return {
+            "steps": self.total_steps,
+            "tokens": self.total_steps * self.cfg.batch_sequences * self.data.context_length,
+            "objective": self.cfg.objective,
+            "rest": self.cfg.rest,
+            "final": last,
+        }
+
+    # -- training ---------------------------------------------------------------------------------------------------
+
+    def _batches(self) -> Iterator[torch.LongTensor]:
+        # The stream position is a function of the step, so a resumed run sees the same batches.
+        start = self.step * self.cfg.batch_sequences
+        sequences = iter_sequences(self.data, self.tokenizer, split="train", start_sequence=start)
+        return batch_sequences(sequences, self.cfg.batch_sequences, drop_last=True)
+
+    def loss(self, input_ids: torch.LongTensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """The healing loss of one batch (B, L): objective + aux_loss_coef * routed layers' aux losses."""
+        with self.autocast:
+            out = self.model(input_ids=input_ids, use_cache=False, output_router_logits=True)
+        if self.cfg.objective == "kl":
+            with torch.no_grad():
+                base_logits = self.base(input_ids=input_ids, use_cache=False).logits  # (B, L, V)
+            objective = kl_base_to_other(base_logits, out.logits).mean()
+        else:
+            objective = next_token_ce(out.logits, input_ids).mean()
+        aux = out.aux_loss if out.aux_loss is not None else objective.new_zeros(())
+        loss = objective + self.cfg.aux_loss_coef * aux
+        return loss, {self.cfg.objective: objective.item(), "aux": aux.item()}
+
+    def fit(self) -> nn.Module:
+        """Heal, then return the merged model (an expertize causal LM) in eval mode."""
+        from tqdm.auto import tqdm
+
+        self.load_checkpoint()
+        self.base.eval()
+        # Dropout off for the whole model (healing fits a deterministic function); the sparse layers in training
+        # mode, so that they compute their auxiliary losses and use training-time routing (e.g. batch statistics).
+        self.model.eval()
+        for layer in sparse_layer_modules(self.model).values():
+            layer.train()
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="heal", disable=not self.progress)
+        started = time.perf_counter()
+        for input_ids in self._batches() if self.step < self.total_steps else ():
+            if self.step >= self.total_steps:
+                break
+            loss, parts = self.loss(input_ids.to(self.device))
+            loss.backward()
+            if self.cfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_(self.trainable.values(), self.cfg.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            record = {
+                "step": self.step,
+                "tokens": self.step * self.cfg.batch_sequences * self.data.context_length,
+                "lr": self.scheduler.get_last_lr()[0],
+                "loss": loss.item(),
+                **parts,
+                "seconds": round(time.perf_counter() - started, 3),
+            }
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.4g}")
+            if self.step % self.cfg.log_every == 0 or self.step == self.total_steps:
+                with self.log_path.open("a", encoding="utf-8") as f:
+                    f.write(json.dumps(record) + "\n")
+            if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
+                self.save_checkpoint()
+        bar.close()
+        if self.step < self.total_steps:
+            raise RuntimeError(
+                f"the train split ran out after {self.step} of {self.total_steps} healing steps; lower heal.tokens "
+                "or add text"
+            )
+        self.save_checkpoint()  # a run killed after healing resumes straight into evaluation
+        model = merge_healed(self.model).eval()
+        model.requires_grad_(False)
+        return model
