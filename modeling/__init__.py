@@ -9,7 +9,19 @@ from .configuration_expertize import (
     MlpShape,
 )
 from .modeling_expertize import FAMILIES, ExpertizeModelMixin
+from .moe_x import MoeXLayer, MoeXRouting, MoeXSpec
+from .monet import (
+    MonetHDLayer,
+    MonetHDSpec,
+    MonetLayer,
+    MonetRouting,
+    MonetSpec,
+    MonetVDLayer,
+    MonetVDSpec,
+)
+from .mumoe import MuMoECPSpec, MuMoELayer, MuMoESpec, MuMoETRSpec, entmax15
 from .mxd import MxdLayer, MxdSpec
+from .routed_neurons import RoutedNeuronsLayer, RoutedNeuronsSpec
 from .sparse_base import SparseCode, SparseLayer, SparseSpec
 from .sparse_layers import LAYER_KINDS, build_sparse_layer, spec_from_dict
 from .transcoder import SkipTranscoderSpec, TranscoderLayer, TranscoderSpec
@@ -24,8 +36,24 @@ __all__ = [
     "ExpertizeModelMixin",
     "ExpertizeQwen2Config",
     "MlpShape",
+    "MoeXLayer",
+    "MoeXRouting",
+    "MoeXSpec",
+    "MonetHDLayer",
+    "MonetHDSpec",
+    "MonetLayer",
+    "MonetRouting",
+    "MonetSpec",
+    "MonetVDLayer",
+    "MonetVDSpec",
+    "MuMoECPSpec",
+    "MuMoELayer",
+    "MuMoESpec",
+    "MuMoETRSpec",
     "MxdLayer",
     "MxdSpec",
+    "RoutedNeuronsLayer",
+    "RoutedNeuronsSpec",
     "SkipTranscoderSpec",
     "SparseCode",
     "SparseLayer",
@@ -33,5 +61,6 @@ __all__ = [
     "TranscoderLayer",
     "TranscoderSpec",
     "build_sparse_layer",
+    "entmax15",
     "spec_from_dict",
 ]

@@ -12,7 +12,11 @@ from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, 
 
 # Every bundle file must be a *direct* relative import of both entry files: transformers before PR #46022 (all of 4.x)
 # copies only the entry file's direct relative imports into the module cache when loading from a local folder.
+from .moe_x import MoeXSpec  # noqa: F401
+from .monet import MonetSpec  # noqa: F401
+from .mumoe import MuMoESpec  # noqa: F401
 from .mxd import MxdSpec  # noqa: F401
+from .routed_neurons import RoutedNeuronsSpec  # noqa: F401
 from .sparse_base import SparseSpec
 from .sparse_layers import spec_from_dict
 from .transcoder import TranscoderSpec  # noqa: F401

@@ -33,7 +33,11 @@ from .configuration_expertize import (
     ExpertizeMistralConfig,
     ExpertizeQwen2Config,
 )
+from .moe_x import MoeXLayer  # noqa: F401
+from .monet import MonetLayer  # noqa: F401
+from .mumoe import MuMoELayer  # noqa: F401
 from .mxd import MxdLayer  # noqa: F401
+from .routed_neurons import RoutedNeuronsLayer  # noqa: F401
 from .sparse_base import SparseLayer
 from .sparse_layers import build_sparse_layer
 from .transcoder import TranscoderLayer  # noqa: F401
@@ -57,8 +61,15 @@ class ExpertizeModelMixin:
         return self.get_submodule(self._blocks_path)
 
     def sparse_layers(self) -> dict[int, SparseLayer]:
-        """The sparse layers by decoder layer index."""
-        return {i: block.mlp for i, block in enumerate(self.decoder_blocks()) if isinstance(block.mlp, SparseLayer)}
+        """The sparse layers by decoder layer index (looking through adapter wrappers such as PEFT's)."""
+        layers = {}
+        for i, block in enumerate(self.decoder_blocks()):
+            mlp = block.mlp
+            if not isinstance(mlp, SparseLayer) and callable(getattr(mlp, "get_base_layer", None)):
+                mlp = mlp.get_base_layer()
+            if isinstance(mlp, SparseLayer):
+                layers[i] = mlp
+        return layers
 
     def save_pretrained(self, *args, **kwargs):
         self.config.auto_map = dict(self._auto_map)

@@ -41,6 +41,7 @@ ACTIVATIONS = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "silu": F.silu,
     "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),  # squared ReLU (Monet, Primer)
 }
 # Activation names used by transformers configs -> ours (same function, other spelling).
 ACTIVATION_ALIASES = {"gelu_pytorch_tanh": "gelu_new", "swish": "silu", "gelu_fast": "gelu_new"}

@@ -2,12 +2,22 @@
 
 from typing import Any
 
+from .moe_x import MoeXLayer, MoeXSpec
+from .monet import MonetHDLayer, MonetHDSpec, MonetVDLayer, MonetVDSpec
+from .mumoe import MuMoECPSpec, MuMoELayer, MuMoETRSpec
 from .mxd import MxdLayer, MxdSpec
+from .routed_neurons import RoutedNeuronsLayer, RoutedNeuronsSpec
 from .sparse_base import SparseLayer, SparseSpec
 from .transcoder import SkipTranscoderSpec, TranscoderLayer, TranscoderSpec
 
 LAYER_KINDS: dict[str, tuple[type[SparseSpec], type[SparseLayer]]] = {
     "mxd": (MxdSpec, MxdLayer),
+    "moe_x": (MoeXSpec, MoeXLayer),
+    "monet_hd": (MonetHDSpec, MonetHDLayer),
+    "monet_vd": (MonetVDSpec, MonetVDLayer),
+    "mumoe_cp": (MuMoECPSpec, MuMoELayer),
+    "mumoe_tr": (MuMoETRSpec, MuMoELayer),
+    "routed_neurons": (RoutedNeuronsSpec, RoutedNeuronsLayer),
     "transcoder": (TranscoderSpec, TranscoderLayer),
     "skip_transcoder": (SkipTranscoderSpec, TranscoderLayer),
 }

@@ -1,0 +1,223 @@
+"""Routed single-neuron experts with shared neurons ("Secret mixtures of experts inside your LLM", Boix-Adsera 2025,
+arXiv 2512.18452; the reference code's `MLPPlusMoE` / `MoE_TopK_SingleNeuron`).
+
+    s = W_gate (W_gate_proj x) + b_gate          low-rank router I -> r -> N (full rank: W_gate x + b_gate)
+    idx, v = TopK(s); g = softmax(v)            over the K selected experts only
+    h_k = φ(w_idx_k · x + b_idx_k)               each expert is one neuron: input row w_i, bias b_i, output row u_i
+    y = Σ_k g_k h_k u_idx_k + W_shared_decᵀ φ(W_shared_enc x + b_shared_enc) + b_dec
+
+Shapes (letters as in sparse_base, plus r router rank, S shared neurons): W_enc (N, I), b_enc (N,), W_dec (N, O)
+(rows = neurons, stored like embedding tables); W_gate_proj (r, I); W_gate (N, r) or (N, I); b_gate (N,);
+W_shared_enc (S, I), b_shared_enc (S,), W_shared_dec (S, O); b_dec (O,).
+
+Only the K selected rows of W_enc / b_enc / W_dec are read per token: the input dots go through `_GatheredDot`
+(chunked gathers forward, `embedding_bag` backward) and the output sum through `embedding_bag`. The router is the one
+dense (T, N) product. The sparse code is (top-k neuron ids, softmax gate weights); steering adds λ to a neuron's gate
+weight (y += λ h_n u_n), ablation zeroes it without renormalizing the others.
+
+Init: the reference code's for the neurons' inputs and the router; the output rows start at 0 by default
+(`decoder_init`), so that distillation starts from b_dec, the mean MLP output.
+
+# Diff with the reference code: the shared MLP's output bias is merged into b_dec (the trainer sets b_dec to the mean
+# MLP output); zero output rows by default (`decoder_init='paper'` restores U(±1/√K)). Neither has an auxiliary loss.
+"""
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .sparse_base import (
+    ACTIVATIONS,
+    SparseCode,
+    SparseLayer,
+    SparseSpec,
+    _require_choice,
+    _require_int,
+    canonical_activation,
+    linear_bound,
+    sparse_rows_sum,
+    uniform_,
+)
+
+GATHER_CHUNK_ELEMENTS = 1 << 24
+"""The forward gathers at most this many weights (tokens × K × I) at once, to bound the (T, K, I) transient."""
+
+
+class _GatheredDot(torch.autograd.Function):
+    """out[t, k] = rows[index[t, k]] · x[t] without keeping the (T, K, I) gather for backward.
+
+    Backward, the same embedding_bag identities as sparse_base's `_LinearReluTopK`: grad x_t = Σ_k g_tk rows[idx_tk]
+    and grad rows[n] = Σ_{idx_tk = n} g_tk x_t (the backward of that embedding_bag with grad_outputs x).
+    """
+
+    @staticmethod
+    def forward(ctx, x, rows, index):  # x (T, I), rows (N, I), index (T, K)
+        T, K = index.shape
+        chunk = max(1, GATHER_CHUNK_ELEMENTS // max(1, K * rows.shape[1]))
+        out = [
+            torch.bmm(F.embedding(index[i : i + chunk], rows), x[i : i + chunk, :, None]).squeeze(-1)  # (t, K)
+            for i in range(0, T, chunk)
+        ]
+        ctx.save_for_backward(x, rows, index)
+        return torch.cat(out) if out else x.new_zeros(0, K)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, rows, index = ctx.saved_tensors
+        need_x, need_rows = ctx.needs_input_grad[:2]
+        grad = grad.to(rows.dtype)  # (T, K)
+        grad_x = grad_rows = None
+        with torch.enable_grad():
+            w = rows.detach().requires_grad_(need_rows)
+            grad_x = F.embedding_bag(index, w, per_sample_weights=grad, mode="sum")  # Σ_k g_tk rows[idx_tk]: (T, I)
+        if need_rows:
+            (grad_rows,) = torch.autograd.grad(grad_x, w, grad_outputs=x.to(rows.dtype))  # (N, I)
+        grad_x = grad_x.detach().to(x.dtype) if need_x else None
+        return grad_x, grad_rows, None
+
+
+@dataclasses.dataclass
+class RoutedNeuronsSpec(SparseSpec):
+    kind = "routed_neurons"
+    num_experts: int
+    """N (the paper's m): single-neuron routed experts (the paper uses 10k-100k)."""
+    k: int = 32
+    """K: routed neurons per token."""
+    num_shared: int = 0
+    """S: always-on shared neurons (a dense φ-MLP of width S). The paper uses S = K (Table 1: an even split of the
+    active neurons between shared and routed is best)."""
+    router_rank: int | None = 128
+    """r: low-rank router d -> r -> N, which the paper finds better (128 for d = 512-640, 256 for d = 1024);
+    0 or None gives the full-rank router d -> N."""
+    activation: str = "gelu"
+    """φ of the neurons: gelu (the paper's), gelu_new, silu, relu."""
+    decoder_init: str = "zeros"
+    """'zeros': output rows (routed and shared) start at 0, so the layer starts as b_dec, the trainer's mean MLP
+    output (as mxd); 'paper': the reference code's U(±1/√K) routed and nn.Linear-default shared output rows."""
+
+    def validate(self) -> None:
+        super().validate()
+        _require_int(self, "num_experts")
+        _require_int(self, "k")
+        if self.k > self.num_experts:
+            raise ValueError(
+                f"routed_neurons.k={self.k} exceeds routed_neurons.num_experts={self.num_experts}: TopK cannot select "
+                "more experts than exist; lower k or raise num_experts"
+            )
+        _require_int(self, "num_shared", minimum=0)
+        if self.router_rank is not None:
+            _require_int(self, "router_rank", minimum=0)
+        self.activation = canonical_activation(self.activation)
+        _require_choice(self, "decoder_init", ("zeros", "paper"))
+
+    @property
+    def low_rank_router(self) -> bool:
+        return bool(self.router_rank)
+
+    def _router_parameters(self) -> int:
+        I, N = self.d_in, self.num_experts
+        return (I * self.router_rank + self.router_rank * N if self.low_rank_router else I * N) + N
+
+    def _router_macs(self) -> int:
+        I, N = self.d_in, self.num_experts
+        return I * self.router_rank + self.router_rank * N if self.low_rank_router else I * N
+
+    def num_parameters(self) -> int:
+        I, O, N, S = self.d_in, self.d_out, self.num_experts, self.num_shared
+        return self._router_parameters() + N * (I + 1 + O) + S * (I + 1 + O) + O
+
+    def active_parameters(self) -> int:
+        """The whole router (it scores every expert) + the K selected neurons + the shared neurons + b_dec."""
+        I, O, K, S = self.d_in, self.d_out, self.k, self.num_shared
+        return self._router_parameters() + K * (I + 1 + O) + S * (I + 1 + O) + O
+
+    def flops_per_token(self) -> int:
+        """2 × multiply-accumulates (router, K + S neurons in and out) + the output bias."""
+        I, O, K, S = self.d_in, self.d_out, self.k, self.num_shared
+        return 2 * (self._router_macs() + (K + S) * (I + O)) + O
+
+
+class RoutedNeuronsLayer(SparseLayer):
+    """Top-K routed single-neuron experts plus shared neurons; see the module docstring for the equations."""
+
+    spec: RoutedNeuronsSpec
+
+    def __init__(self, spec: RoutedNeuronsSpec) -> None:
+        super().__init__(spec)
+        I, O, N, S, r = spec.d_in, spec.d_out, spec.num_experts, spec.num_shared, spec.router_rank
+        self.act = ACTIVATIONS[spec.activation]
+        self.W_gate_proj = nn.Parameter(torch.empty(r, I)) if spec.low_rank_router else None
+        self.W_gate = nn.Parameter(torch.empty(N, r if spec.low_rank_router else I))
+        self.b_gate = nn.Parameter(torch.empty(N))
+        self.W_enc = nn.Parameter(torch.empty(N, I))
+        self.b_enc = nn.Parameter(torch.empty(N))
+        self.W_dec = nn.Parameter(torch.empty(N, O))
+        self.W_shared_enc = nn.Parameter(torch.empty(S, I)) if S else None
+        self.b_shared_enc = nn.Parameter(torch.empty(S)) if S else None
+        self.W_shared_dec = nn.Parameter(torch.empty(S, O)) if S else None
+        self.b_dec = nn.Parameter(torch.empty(O))
+        self.reset_parameters()
+
+    @property
+    def num_units(self) -> int:
+        return self.spec.num_experts
+
+    def reset_parameters(self) -> None:
+        """The reference code's init: neuron input rows and biases U(±1/√I); router and shared input layer as
+        nn.Linear defaults; b_dec = 0. Output rows: zero (`decoder_init='zeros'`, the default) or the reference code's
+        U(±1/√K) routed and nn.Linear-default shared rows (`'paper'`).
+        # Diff with the reference code (default only): a random decoder adds an output of fixed scale (~0.1 per
+        # coordinate) that distillation must first unlearn, which costs most on MLPs with small outputs."""
+        I, K, S = self.spec.d_in, self.spec.k, self.spec.num_shared
+        paper = self.spec.decoder_init == "paper"
+        if self.W_gate_proj is not None:
+            uniform_(self.W_gate_proj, linear_bound(I))
+        uniform_(self.W_gate, linear_bound(self.W_gate.shape[1]))
+        uniform_(self.b_gate, linear_bound(self.W_gate.shape[1]))
+        uniform_(self.W_enc, linear_bound(I))
+        uniform_(self.b_enc, linear_bound(I))
+        if paper:
+            uniform_(self.W_dec, linear_bound(K))
+        else:
+            nn.init.zeros_(self.W_dec)
+        if self.W_shared_enc is not None:
+            uniform_(self.W_shared_enc, linear_bound(I))
+            uniform_(self.b_shared_enc, linear_bound(I))
+            if paper:
+                uniform_(self.W_shared_dec, linear_bound(S))
+            else:
+                nn.init.zeros_(self.W_shared_dec)
+        nn.init.zeros_(self.b_dec)
+
+    def router_logits_of(self, x: torch.Tensor) -> torch.Tensor:
+        """Router scores s: (T, I) -> (T, N)."""
+        if self.W_gate_proj is not None:
+            x = F.linear(x, self.W_gate_proj)  # (T, r)
+        return F.linear(x, self.W_gate, self.b_gate)  # (T, N)
+
+    def encode(self, x: torch.Tensor) -> SparseCode:
+        """(top-K neuron ids, softmax over their router scores): (..., I) -> (..., K)."""
+        lead = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1])  # (T, I)
+        logits = self.router_logits_of(x)  # (T, N)
+        top_logits, index = logits.topk(self.spec.k, dim=-1, sorted=False)  # (T, K) each
+        self._set_router_outputs(logits if self.record_router_outputs else None, None)
+        code = self.code_hook(self._intervene_on_code(index, top_logits.softmax(dim=-1)))
+        return SparseCode(code.top_k_index.reshape(*lead, -1), code.top_k_weights.reshape(*lead, -1))
+
+    def neuron_activations(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """h = φ(w_idx · x + b_idx) of the selected neurons only: (T, I), (T, K) -> (T, K)."""
+        return self.act(_GatheredDot.apply(x, self.W_enc, index) + self.b_enc[index])
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        lead = hidden_states.shape[:-1]
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])  # (T, I)
+        code = self.encode(x)  # (T, K) (+ steered ids)
+        h = self.neuron_activations(x, code.top_k_index)  # (T, K)
+        out = sparse_rows_sum(SparseCode(code.top_k_index, code.top_k_weights * h), self.W_dec)  # Σ_k g_k h_k u_k
+        if self.W_shared_enc is not None:
+            out = out + self.act(F.linear(x, self.W_shared_enc, self.b_shared_enc)) @ self.W_shared_dec  # (T, O)
+        return (out + self.b_dec).view(*lead, -1)
