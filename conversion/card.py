@@ -1,6 +1,6 @@
 """Model cards: the README.md of a saved expertize model.
 
-    layer specs + recipe summary + metrics (+ lm-eval results)
+    layer specs + recipe summary + metrics (+ lm-eval results, base vs this model)
         ─► ModelCardData: base_model, library_name, pipeline_tag, tags, model-index (lm-eval results only)
         ─► template `expertize/model_cards/expertize_model.md` (Jinja), filled with pre-formatted strings and rows
         ─► model_dir/README.md, written atomically (a second call replaces the whole file)
@@ -52,6 +52,12 @@ class KindInfo:
 
 LAYER_KIND_INFO: dict[str, KindInfo] = {
     "mxd": KindInfo("Mixture of Decoders (MxD)", "expert", "num_experts"),
+    "moe_x": KindInfo("MoE-X", "expert", "num_experts"),
+    "monet_hd": KindInfo("Monet with horizontal expert decomposition (Monet-HD)", "expert", "num_experts"),
+    "monet_vd": KindInfo("Monet with vertical expert decomposition (Monet-VD)", "expert", "num_experts"),
+    "mumoe_cp": KindInfo("CP multilinear mixture of experts (CPμMoE)", "expert", "num_experts"),
+    "mumoe_tr": KindInfo("tensor-ring multilinear mixture of experts (TRμMoE)", "expert", "num_experts"),
+    "routed_neurons": KindInfo("routed single-neuron experts (secret MoE)", "expert", "num_experts"),
     "transcoder": KindInfo("TopK transcoder", "latent", "num_latents"),
     "skip_transcoder": KindInfo("skip transcoder", "latent", "num_latents"),
 }
@@ -70,6 +76,31 @@ def _arxiv_bibtex(key: str, *, title: str, authors: list[str], year: int, arxiv_
     return f"@article{{{key},\n{body}\n}}"
 
 
+_MUMOE_CITATION = _arxiv_bibtex(
+    "oldfield2024mumoe",
+    title="Multilinear Mixture of Experts: Scalable Expert Specialization through Factorization",
+    authors=[
+        "Oldfield, James",
+        "Georgopoulos, Markos",
+        "Chrysos, Grigorios G.",
+        "Tzelepis, Christos",
+        "Panagakis, Yannis",
+        "Nicolaou, Mihalis A.",
+        "Deng, Jiankang",
+        "Patras, Ioannis",
+    ],
+    year=2024,
+    arxiv_id="2402.12550",
+)
+
+_MONET_CITATION = _arxiv_bibtex(
+    "park2025monet",
+    title="Monet: Mixture of Monosemantic Experts for Transformers",
+    authors=["Park, Jungwoo", "Ahn, Young Jin", "Kim, Kee-Eung", "Kang, Jaewoo"],
+    year=2025,
+    arxiv_id="2412.04139",
+)
+
 # BibTeX of the paper behind each layer kind, cited by every card that uses the kind.
 CITATIONS: dict[str, str] = {
     "mxd": _arxiv_bibtex(
@@ -86,6 +117,32 @@ CITATIONS: dict[str, str] = {
         ],
         year=2025,
         arxiv_id="2505.21364",
+    ),
+    "moe_x": _arxiv_bibtex(
+        "yang2025moex",
+        title="Mixture of Experts Made Intrinsically Interpretable",
+        authors=[
+            "Yang, Xingyi",
+            "Venhoff, Constantin",
+            "Khakzar, Ashkan",
+            "de Witt, Christian Schroeder",
+            "Dokania, Puneet K.",
+            "Bibi, Adel",
+            "Torr, Philip",
+        ],
+        year=2025,
+        arxiv_id="2503.07639",
+    ),
+    "monet_hd": _MONET_CITATION,
+    "monet_vd": _MONET_CITATION,
+    "mumoe_cp": _MUMOE_CITATION,
+    "mumoe_tr": _MUMOE_CITATION,
+    "routed_neurons": _arxiv_bibtex(
+        "boixadsera2025secret",
+        title="Secret mixtures of experts inside your LLM",
+        authors=["Boix-Adsera, Enric"],
+        year=2025,
+        arxiv_id="2512.18452",
     ),
     "transcoder": _arxiv_bibtex(
         "dunefsky2024transcoders",
@@ -291,16 +348,19 @@ def _match_rows(curve: list[Any]) -> list[tuple[str, str]]:
     return [(str(t), format_percent(curve[t - 1], 1)) for t in positions]
 
 
+def _with_stderr(value: Any, stderr: Any) -> str:
+    text = format_number(value)
+    return text + f" ± {format_number(stderr)}" if _is_number(value) and _is_number(stderr) else text
+
+
 def _lm_eval(lm_eval: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> tuple[list[list[str]], list[EvalResult]]:
     rows, results = [], []
     for task, task_metrics in lm_eval.items():
         for metric, entry in task_metrics.items():
-            value, stderr, base = entry.get("value"), entry.get("stderr"), entry.get("base_value")
-            ours = format_number(value)
-            if _is_number(stderr):
-                ours += f" ± {format_number(stderr)}"
+            value, base = entry.get("value"), entry.get("base_value")
+            ours, theirs = _with_stderr(value, entry.get("stderr")), _with_stderr(base, entry.get("base_stderr"))
             delta = f"{value - base:+.4f}" if _is_number(value) and _is_number(base) else MISSING
-            rows.append([_code(task), _code(metric), format_number(base), ours, delta])
+            rows.append([_code(task), _code(metric), theirs, ours, delta])
             if _is_number(value):
                 metric_type, _, metric_filter = str(metric).partition(",")  # lm-eval keys: "acc,none"
                 results.append(
@@ -316,6 +376,25 @@ def _lm_eval(lm_eval: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> tuple[li
                     )
                 )
     return rows, results
+
+
+def _lm_eval_notes(details: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """One line per task: shots and documents evaluated (a `limit` marks a smoke test, not a benchmark)."""
+    notes = []
+    for task, d in details.items():
+        parts = []
+        if d.get("n_shot") is not None:
+            parts.append(f"{d['n_shot']}-shot")
+        if d.get("n_samples") is not None:
+            total = d.get("n_documents")
+            docs = format_count(d["n_samples"]) + (f" of {format_count(total)}" if total not in (None, d["n_samples"])
+                                                   else "")
+            parts.append(f"{docs} documents")
+        if d.get("limit") is not None:
+            parts.append(f"limit {_cell(d['limit'])}: a smoke test, not a benchmark")
+        if parts:
+            notes.append(f"{_code(task)}: {', '.join(parts)}")
+    return notes
 
 
 def _blocks_expr(model_dir: Path) -> str:
@@ -361,6 +440,7 @@ def render_model_card(
     lm_eval: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
     model_name: str | None = None,
     repo_id: str | None = None,
+    lm_eval_details: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> ModelCard:
     """The model card (metadata + body) without writing it; see `write_model_card` for the arguments."""
     model_dir = Path(model_dir)
@@ -406,7 +486,7 @@ def render_model_card(
         layer_rows=layer_rows,
         recipe_rows=[[_code(key), _cell(value)] for key, value in (recipe_summary or {}).items()],
         recipe_files=_recipe_files(model_dir),
-        evaluated=bool(metrics),
+        evaluated=bool(metrics) or bool(lm_eval_rows),
         eval_tokens=format_count(metrics["eval_tokens"]) if metrics.get("eval_tokens") is not None else "",
         metric_header=metric_header,
         metric_rows=metric_rows,
@@ -414,7 +494,9 @@ def render_model_card(
         match_rows=_match_rows(list(generation.get("match_curve") or [])),
         n_prompts=format_count(generation.get("n_prompts")),
         lm_eval_rows=lm_eval_rows,
-        citations=[CITATIONS[kind] for kind in kinds if kind in CITATIONS],
+        lm_eval_notes=_lm_eval_notes(lm_eval_details or {}),
+        # dict.fromkeys: kinds from one paper (mumoe_cp, mumoe_tr) cite it once
+        citations=list(dict.fromkeys(CITATIONS[kind] for kind in kinds if kind in CITATIONS)),
         expertize_version=_expertize_version(),
     )
 
@@ -429,6 +511,7 @@ def write_model_card(
     lm_eval: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
     model_name: str | None = None,
     repo_id: str | None = None,
+    lm_eval_details: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Path:
     """Write `model_dir/README.md` (Hub metadata + card body) and return its path; a second call replaces it.
 
@@ -442,10 +525,12 @@ def write_model_card(
             "zero_ablation", "mean_ablation", "ce_recovered_zero", "ce_recovered_mean"}, "generation":
             {"match_curve", "match_at_end", "n_prompts"}, "eval_tokens"}`; fractions in [0, 1]); any key may be
             missing. None: the card says evaluation was not run.
-        lm_eval: task -> metric -> {"value", "stderr", "base_value" (optional)}; also written as the card's
-            `model-index` (this model's values only).
+        lm_eval: task -> metric -> {"value", "stderr", "base_value", "base_stderr"} (base keys optional), as
+            `expertize eval` records them; also written as the card's `model-index` (this model's values only).
         model_name: the card's title and model-index name; default `<base>-<kinds>-l<layers>` (or repo_id's name).
         repo_id: the Hub repository used in the loading snippet; default `<user>/<model_name>`.
+        lm_eval_details: task -> {"n_shot", "n_samples", "n_documents", "limit"} (any may be missing), listed under
+            the lm-eval table.
     """
     model_dir = Path(model_dir)
     card = render_model_card(
@@ -457,6 +542,7 @@ def write_model_card(
         lm_eval=lm_eval,
         model_name=model_name,
         repo_id=repo_id,
+        lm_eval_details=lm_eval_details,
     )
     model_dir.mkdir(parents=True, exist_ok=True)
     path = model_dir / "README.md"

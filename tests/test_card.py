@@ -203,3 +203,42 @@ def test_card_snippets_run_on_a_saved_model(tmp_path, tokenizer):
     assert str(model_dir) in code
     out = run_isolated(code + "\nprint('top_k', tuple(code.top_k_index.shape))\n", tmp_path)
     assert "top_k (" in out and ", 4)" in out
+
+
+def test_lm_eval_base_stderr_and_settings_notes(tmp_path):
+    lm_eval = {"st_cloze": {"acc,none": {"value": 0.41, "stderr": 0.07, "base_value": 0.43, "base_stderr": 0.071}}}
+    details = {"st_cloze": {"n_shot": 0, "n_samples": 48, "n_documents": 48, "limit": None},
+               "st_ppl": {"n_shot": 0, "n_samples": 8, "n_documents": 48, "limit": 8}}
+    text = write(tmp_path, metrics=None, lm_eval=lm_eval, lm_eval_details=details).read_text(encoding="utf-8")
+    assert "| `st_cloze` | `acc,none` | 0.4300 ± 0.0710 | 0.4100 ± 0.0700 | -0.0200 |" in text
+    assert "- `st_cloze`: 0-shot, 48 documents\n" in text
+    assert "- `st_ppl`: 0-shot, 8 of 48 documents, limit 8: a smoke test, not a benchmark\n" in text
+    # lm-eval results without the intrinsic metrics: the card does not claim that nothing was evaluated.
+    assert "Evaluation was not run" not in text and "### Reconstruction" not in text
+
+
+def test_card_rebuilt_from_a_saved_folder(tmp_path, tokenizer):
+    """refresh_model_card reads config.json (layers), metrics.json (metrics, training rows, lm-eval) and
+    provenance.json (base), and is what `expertize upcycle` and `expertize eval` write."""
+    from expertize.conversion.model_folder import ModelFolderError, refresh_model_card
+    from expertize.conversion.splice import save_model, splice
+
+    spec = MxdSpec(d_in=D_MODEL, d_out=D_MODEL, d_hidden=D_HIDDEN, num_experts=16, k=4, activation="gelu_new")
+    folder = save_model(splice(tiny_base_model("gpt2"), {1: MxdLayer(spec)}), tmp_path / "m", tokenizer=tokenizer)
+    with pytest.raises(ModelFolderError, match="records no base model"):
+        refresh_model_card(folder)
+    lm_eval = {"tasks": {"hellaswag": {"n_shot": 0, "n_samples": 100, "n_documents": 10042, "limit": 100,
+                                       "metrics": LM_EVAL["hellaswag"]}}}
+    write_json(folder / "metrics.json", {**METRICS, "recipe_summary": RECIPE, "lm_eval": lm_eval})
+    write_json(folder / "provenance.json", {"base_model": "openai-community/gpt2"})
+    card = ModelCard.load(refresh_model_card(folder))
+    assert card.data.base_model == "openai-community/gpt2"
+    assert [(r.dataset_type, r.metric_type, r.metric_value) for r in card.data.eval_results] == [
+        ("hellaswag", "acc", 0.2891)]
+    text = card.text
+    n_params = spec.num_parameters()
+    assert f"| 1 | `mxd` | 32 → 32 | 37 | 16 | 4 | {n_params:,} |" in text
+    assert "| `training tokens` | 480,000,000 |" in text and "| CE, base model | 3.2951 |" in text
+    assert "| `hellaswag` | `acc,none` | 0.2892 | 0.2891 ± 0.0045 | -0.0001 |" in text
+    assert "- `hellaswag`: 0-shot, 100 of 10,042 documents, limit 100" in text
+    assert "recipe_summary" not in text and "layer = model.transformer.h[1].mlp" in text

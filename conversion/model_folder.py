@@ -1,0 +1,172 @@
+"""A saved expertize model folder: what makes one, what it records, and its model card rebuilt from those records.
+
+    MODEL_DIR/
+        config.json              model_type "expertize_<family>", auto_map -> the remote-code files, sparse_layers
+        model.safetensors        (or model.safetensors.index.json + its shards)
+        configuration_expertize.py, modeling_expertize.py, <one file per layer kind>.py
+        tokenizer files
+        metrics.json             `expertize upcycle`'s evaluation, "recipe_summary" (the card's Training rows) and
+                                 "lm_eval" (eval.lm_eval_tasks, or added by `expertize eval`)
+        recipe.resolved.yaml, provenance.json, plots/, train_log.jsonl     (`expertize upcycle`)
+        README.md                the model card, rebuilt from the files above by `refresh_model_card`
+"""
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from huggingface_hub import ModelCard
+
+from .card import render_model_card, write_model_card
+
+__all__ = [
+    "ModelFolderError",
+    "check_model_folder",
+    "read_metrics",
+    "recorded_base_model",
+    "refresh_model_card",
+    "render_card_from_folder",
+    "weight_files",
+    "write_metrics",
+]
+
+EXPERTIZE_PREFIX = "expertize_"
+PRODUCED_BY = (
+    "point at a folder written by `expertize upcycle` (its output_dir) or by expertize.conversion.splice.save_model"
+)
+
+
+class ModelFolderError(ValueError):
+    """A folder is not a (complete) saved expertize model; the message names what is missing and the fix."""
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors weights of a saved model: model.safetensors, or the shards its index lists."""
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        return [model_dir / name for name in shards]
+    return []
+
+
+def check_model_folder(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """The folder's config.json as a dict, after checking that the folder is a loadable expertize model.
+
+    Checks: config.json with an expertize model_type and an auto_map whose files are present (the remote code that
+    `trust_remote_code=True` runs), and safetensors weights (every shard of a sharded checkpoint).
+    """
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ModelFolderError(f"{path} is not a folder; {PRODUCED_BY}")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelFolderError(f"{path} has no config.json, so it is not a saved model; {PRODUCED_BY}")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelFolderError(f"{config_file} is not valid JSON ({e}); re-save the model") from None
+    model_type = str(config.get("model_type", ""))
+    if not model_type.startswith(EXPERTIZE_PREFIX):
+        raise ModelFolderError(
+            f"{path} holds a {model_type or 'model without model_type'!r} model, not an expertize model (its "
+            f"config.json model_type does not start with {EXPERTIZE_PREFIX!r}); {PRODUCED_BY}"
+        )
+    auto_map = config.get("auto_map") or {}
+    if "AutoModelForCausalLM" not in auto_map:
+        raise ModelFolderError(
+            f"{config_file} has no auto_map entry for AutoModelForCausalLM, so trust_remote_code cannot load it; "
+            "re-save the model with save_pretrained of an expertize model class"
+        )
+    missing_code = sorted(
+        {f"{ref.split('--')[-1].split('.')[0]}.py" for ref in auto_map.values()}
+        - {p.name for p in path.glob("*.py")}
+    )
+    if missing_code:
+        raise ModelFolderError(
+            f"{path} lacks the remote-code file(s) {', '.join(missing_code)} named by config.json's auto_map; "
+            "re-save the model (save_pretrained copies them)"
+        )
+    weights = weight_files(path)
+    if not weights:
+        raise ModelFolderError(f"{path} has no weights (model.safetensors or model.safetensors.index.json)")
+    absent = [w.name for w in weights if not w.is_file()]
+    if absent:
+        raise ModelFolderError(f"{path} lacks weight shard(s) {', '.join(absent)} listed in its index")
+    return config
+
+
+def recorded_base_model(model_dir: str | os.PathLike) -> str | None:
+    """The base model a folder was made from: provenance.json's base_model, else recipe.resolved.yaml's."""
+    path = Path(model_dir)
+    provenance = path / "provenance.json"
+    if provenance.is_file():
+        base = json.loads(provenance.read_text(encoding="utf-8")).get("base_model")
+        if base:
+            return str(base)
+    recipe = path / "recipe.resolved.yaml"
+    if recipe.is_file():
+        base = (yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}).get("base_model")
+        if base:
+            return str(base)
+    return None
+
+
+def read_metrics(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """metrics.json of the folder ({} when it has none)."""
+    path = Path(model_dir) / "metrics.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def write_metrics(model_dir: str | os.PathLike, metrics: dict[str, Any]) -> Path:
+    """Replace metrics.json atomically (readers see the old file or the new one)."""
+    path = Path(model_dir) / "metrics.json"
+    tmp = path.with_name(f".metrics.json.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(metrics, indent=2), encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _card_inputs(model_dir: Path, base_model: str | None) -> dict[str, Any]:
+    config = check_model_folder(model_dir)
+    layers = config.get("sparse_layers") or {}
+    base = recorded_base_model(model_dir) or base_model
+    if base is None:
+        raise ModelFolderError(
+            f"{model_dir} records no base model (no provenance.json or recipe.resolved.yaml); name it (--base)"
+        )
+    metrics = read_metrics(model_dir)
+    lm_eval = (metrics.pop("lm_eval", None) or {}).get("tasks") or {}
+    summary = metrics.pop("recipe_summary", None) or {}
+    return dict(
+        base_model=base,
+        layers={int(i): spec for i, spec in layers.items()},
+        recipe_summary=summary,
+        metrics=metrics or None,
+        lm_eval={task: entry["metrics"] for task, entry in lm_eval.items()},
+        lm_eval_details={task: {k: v for k, v in entry.items() if k != "metrics"} for task, entry in lm_eval.items()},
+    )
+
+
+def render_card_from_folder(
+    model_dir: str | os.PathLike, *, base_model: str | None = None, repo_id: str | None = None
+) -> ModelCard:
+    """The model card (`huggingface_hub.ModelCard`) of a saved folder, from its config, metrics and recipe;
+    `base_model` is used only when the folder records none."""
+    model_dir = Path(model_dir)
+    return render_model_card(model_dir, repo_id=repo_id, **_card_inputs(model_dir, base_model))
+
+
+def refresh_model_card(
+    model_dir: str | os.PathLike, *, base_model: str | None = None, repo_id: str | None = None
+) -> Path:
+    """Rewrite MODEL_DIR/README.md from the folder's records (after `expertize eval` adds lm-eval results)."""
+    model_dir = Path(model_dir)
+    return write_model_card(model_dir, repo_id=repo_id, **_card_inputs(model_dir, base_model))

@@ -1,0 +1,165 @@
+"""`expertize push MODEL_DIR --repo-id USER/NAME`: publish a saved expertize model folder on the Hugging Face Hub.
+
+    token check (no network) ─► folder check (config.json with an expertize auto_map, weights, remote code)
+        ─► HfApi.create_repo(exist_ok=False); on 409 (exists): inspect it, refuse a repo holding another kind of model
+        ─► optional branch (--revision, created from main when missing)
+        ─► stage the files to upload (hard links) + README.md re-rendered with the real repo id
+        ─► HfApi.upload_folder(stage): one commit
+
+Never `model.push_to_hub()`: it replaces README.md with a generic card.
+
+What is uploaded: everything in the folder except training leftovers and local-only files (`EXCLUDED`): `checkpoint/`
+(resumable optimizer state), staging folders and hidden files (`.final.*`, `.*.tmp`), `__pycache__/`, and lm-eval's
+per-document logs `samples_*.jsonl` (large; `include_samples=True` uploads them). The model, remote code,
+tokenizer, metrics.json, the resolved recipe, provenance.json, train_log.jsonl, plots/ and lm-eval's results_*.json
+and comparison files all go up.
+"""
+
+import fnmatch
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from huggingface_hub import HfApi, get_token
+from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+from .model_folder import ModelFolderError, check_model_folder, render_card_from_folder
+
+__all__ = ["EXCLUDED", "PushError", "files_to_upload", "push_model"]
+
+EXCLUDED = ("checkpoint/*", ".*", "*/.*", "__pycache__/*", "*/__pycache__/*", "*.tmp", "*.pyc")
+"""Relative-path patterns never uploaded (fnmatch; "*" also matches "/")."""
+SAMPLES = "*samples_*.jsonl"
+
+
+class PushError(ValueError):
+    """The push cannot go ahead (no token, name clash, ...); the message says why and what to do."""
+
+
+def files_to_upload(model_dir: str | os.PathLike, *, include_samples: bool = False) -> list[str]:
+    """Relative paths (sorted, POSIX) of the files `push_model` uploads from `model_dir`."""
+    root = Path(model_dir)
+    excluded = EXCLUDED + (() if include_samples else (SAMPLES,))
+    out = []
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_file() and not any(fnmatch.fnmatch(rel, pattern) for pattern in excluded):
+            out.append(rel)
+    return out
+
+
+def _card_is_ours(readme: Path) -> bool:
+    """True when README.md is missing or is an expertize card (tag "expertize"): those are (re)rendered on push;
+    a card the user wrote is uploaded as it is."""
+    if not readme.is_file():
+        return True
+    from huggingface_hub import ModelCard
+
+    return "expertize" in (ModelCard.load(readme).data.tags or [])
+
+
+def _stage(model_dir: Path, stage: Path, repo_id: str, include_samples: bool) -> None:
+    """Hard-link (or copy across filesystems) the files to upload into `stage`; re-render an expertize card with
+    the real repo id (its loading snippet and model-index name), or render one when the folder has none."""
+    for rel in files_to_upload(model_dir, include_samples=include_samples):
+        target = stage / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(model_dir / rel, target)
+        except OSError:
+            shutil.copy2(model_dir / rel, target)
+    if _card_is_ours(model_dir / "README.md"):
+        try:
+            card = render_card_from_folder(model_dir, repo_id=repo_id)
+        except ModelFolderError:
+            card = None  # no base model recorded: the folder's card (if any) goes up as it is
+        if card is not None:
+            (stage / "README.md").unlink(missing_ok=True)  # a hard link: never write through it
+            (stage / "README.md").write_text(str(card), encoding="utf-8", newline="")
+
+
+def _existing_content(api: HfApi, repo_id: str, revision: str | None) -> str:
+    """"empty", "expertize" or the model_type found in an existing repo (at `revision`)."""
+    try:
+        files = api.list_repo_files(repo_id, revision=revision)
+    except RevisionNotFoundError:
+        return "empty"  # the branch does not exist yet: it will be created
+    except RepositoryNotFoundError:
+        raise PushError(
+            f"{repo_id} exists but this token cannot read it (it belongs to someone else, or is private); choose "
+            "another --repo-id under your own namespace"
+        ) from None
+    if "config.json" not in files:
+        meaningful = [f for f in files if f not in (".gitattributes", "README.md")]
+        return "empty" if not meaningful else f"files without a config.json ({', '.join(meaningful[:5])})"
+    config = json.loads(Path(api.hf_hub_download(repo_id, "config.json", revision=revision)).read_text("utf-8"))
+    model_type = str(config.get("model_type", ""))
+    return "expertize" if model_type.startswith("expertize_") else f"a {model_type or 'model'!r} model"
+
+
+def _create_repo(api: HfApi, repo_id: str, *, private: bool, revision: str | None) -> None:
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=False, repo_type="model")
+        return
+    except HfHubHTTPError as e:
+        status = getattr(e.response, "status_code", None)
+        if status in (401, 403):
+            raise PushError(
+                f"the Hub refused to create {repo_id} (HTTP {status}): the token cannot write to namespace "
+                f"{repo_id.split('/')[0]!r}; use your own user or an organisation you can write to, and a token "
+                "with write access"
+            ) from None
+        if status != 409:
+            raise
+    # 409: the repository already exists.
+    content = _existing_content(api, repo_id, revision)
+    if content not in ("empty", "expertize"):
+        where = f"branch {revision!r} of {repo_id}" if revision else repo_id
+        raise PushError(
+            f"{where} already exists and holds {content}, not an expertize model; pushing would mix two models. "
+            "Choose another --repo-id, or push to a new branch with --revision NAME"
+        )
+
+
+def push_model(
+    model_dir: str | os.PathLike,
+    repo_id: str,
+    *,
+    private: bool = False,
+    revision: str | None = None,
+    token: str | None = None,
+    include_samples: bool = False,
+    commit_message: str | None = None,
+) -> str:
+    """Upload `model_dir` to the Hub model repo `repo_id` (created when missing); returns the commit URL.
+
+    `revision` pushes to that branch (created from main when missing) instead of main. `token` defaults to the
+    logged-in token (`hf auth login` or HF_TOKEN); it is checked before anything touches the network.
+    """
+    model_dir = Path(model_dir)
+    if "/" not in repo_id or repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise PushError(f"--repo-id {repo_id!r}: expected USER/NAME (or ORG/NAME), e.g. alice/gpt2-mxd-l8")
+    token = token or get_token()
+    if not token:
+        raise PushError(
+            "no Hugging Face token: log in with `hf auth login`, set HF_TOKEN, or pass --token (a token with write "
+            "access, from https://huggingface.co/settings/tokens)"
+        )
+    check_model_folder(model_dir)
+    api = HfApi(token=token)
+    _create_repo(api, repo_id, private=private, revision=revision)
+    if revision is not None:
+        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    # Staged inside the folder (same filesystem: hard links work; hidden: never uploaded itself).
+    with tempfile.TemporaryDirectory(prefix=".push.", dir=model_dir) as tmp:
+        _stage(model_dir, Path(tmp), repo_id, include_samples)
+        commit = api.upload_folder(
+            repo_id=repo_id,
+            folder_path=tmp,
+            repo_type="model",
+            revision=revision,
+            commit_message=commit_message or f"Upload {model_dir.name} with expertize",
+        )
+    return str(getattr(commit, "commit_url", commit))

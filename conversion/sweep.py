@@ -1,0 +1,144 @@
+"""Sweeps: one metric against K (or active parameters per token) for each method, over saved model folders.
+
+    DIR ... ─► config.json sparse_layers (method = layer kind, K, active parameters) + metrics.json (the metric)
+            ─► one line per method, sorted by x; the base model as a dashed reference line ─► PNG + JSON of the points
+
+Metric names (`read_metric`):
+    ce.spliced, ce.delta, ce.kl_base_spliced, ce.ce_recovered_mean, generation.match_at_end, ...
+                                 a dotted path into metrics.json
+    fvu, nmse_paper, relative_mse, mse, l0, dead_fraction
+                                 mean over the replaced layers (metrics.json "layers")
+    lm_eval:TASK:METRIC          an lm-eval result recorded by `expertize eval` or eval.lm_eval_tasks, e.g.
+                                 lm_eval:expertize_stories_cloze:acc (the ",none" filter is implied)
+Base reference: ce.spliced -> ce.base; ce.delta and ce.kl_base_spliced -> 0; lm_eval:... -> the base's value.
+"""
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from .model_folder import check_model_folder, read_metrics
+
+__all__ = ["SweepPoint", "plot_sweep", "read_metric", "sweep_points"]
+
+LAYER_METRICS = ("fvu", "nmse_paper", "relative_mse", "mse", "l0", "dead_fraction")
+_BASE_OF = {"ce.spliced": "ce.base"}
+_ZERO_FOR_BASE = ("ce.delta", "ce.kl_base_spliced")
+XAxis = Literal["k", "active_parameters"]
+
+
+@dataclass
+class SweepPoint:
+    folder: str
+    method: str
+    k: int
+    active_parameters: int
+    value: float
+    base_value: float | None
+
+
+def _dotted(tree: Any, path: str) -> Any:
+    for part in path.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def read_metric(metrics: dict[str, Any], metric: str) -> tuple[float | None, float | None]:
+    """(value, base value) of `metric` (see the module docstring) in a metrics.json dict; None where absent."""
+    if metric.startswith("lm_eval:"):
+        _, task, name = (metric.split(":", 2) + ["", ""])[:3]
+        if not task or not name:
+            raise ValueError(f"metric {metric!r}: write lm_eval:TASK:METRIC, e.g. lm_eval:expertize_stories_cloze:acc")
+        entry = _dotted(metrics, f"lm_eval.tasks.{task}.metrics") or {}
+        m = entry.get(name if "," in name else f"{name},none") or {}
+        return m.get("value"), m.get("base_value")
+    if metric in LAYER_METRICS:
+        values = [layer.get(metric) for layer in (metrics.get("layers") or {}).values()]
+        values = [v for v in values if isinstance(v, (int, float))]
+        return (sum(values) / len(values) if values else None), None
+    value = _dotted(metrics, metric)
+    base = 0.0 if metric in _ZERO_FOR_BASE else _dotted(metrics, _BASE_OF[metric]) if metric in _BASE_OF else None
+    return (value if isinstance(value, (int, float)) else None), base
+
+
+def sweep_points(folders: Sequence[str | os.PathLike], metric: str) -> list[SweepPoint]:
+    """One point per folder: its method (layer kind), K, active parameters per token (summed over the replaced
+    layers) and the metric. A folder without the metric is an error naming the folder and the metric."""
+    from expertize.modeling import spec_from_dict
+
+    points = []
+    for folder in folders:
+        config = check_model_folder(folder)
+        specs = [spec_from_dict(spec) for spec in (config.get("sparse_layers") or {}).values()]
+        if not specs:
+            raise ValueError(f"{folder}: config.json lists no sparse_layers")
+        ks = {spec.k for spec in specs}
+        if len(ks) > 1:
+            raise ValueError(f"{folder}: its layers use different K ({sorted(ks)}); a sweep point needs one K")
+        value, base = read_metric(read_metrics(folder), metric)
+        if value is None:
+            raise ValueError(
+                f"{folder}: metrics.json has no value for {metric!r}; for lm-eval metrics run `expertize eval "
+                f"{folder} --tasks TASK` first (see `expertize plot-sweep --help` for metric names)"
+            )
+        points.append(
+            SweepPoint(
+                folder=str(folder),
+                method="+".join(dict.fromkeys(spec.kind for spec in specs)),
+                k=ks.pop(),
+                active_parameters=sum(spec.active_parameters() for spec in specs),
+                value=float(value),
+                base_value=None if base is None else float(base),
+            )
+        )
+    return points
+
+
+def plot_sweep(
+    folders: Sequence[str | os.PathLike], metric: str, output: str | os.PathLike, *, x: XAxis = "k"
+) -> Path:
+    """Plot `metric` against `x` per method to `output` (PNG); the points go to the same name with .json."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if x not in ("k", "active_parameters"):
+        raise ValueError(f"x must be 'k' or 'active_parameters', got {x!r}")
+    points = sweep_points(folders, metric)
+    bases = [p.base_value for p in points if p.base_value is not None]
+    if any(not math.isclose(b, bases[0], rel_tol=1e-9, abs_tol=1e-12) for b in bases):
+        spread = ", ".join(f"{p.folder}: {p.base_value}" for p in points if p.base_value is not None)
+        raise ValueError(
+            f"the folders record different base values for {metric} ({spread}): they were evaluated against "
+            "different base models or settings, so no single base line can be drawn; compare like with like"
+        )
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in sorted({p.method for p in points}):
+        ps = sorted((p for p in points if p.method == method), key=lambda p: getattr(p, x))
+        ax.plot([getattr(p, x) for p in ps], [p.value for p in ps], marker="o", label=method)
+    if bases:
+        ax.axhline(bases[0], color="black", linestyle="--", linewidth=1, label="base model")
+    xs = [getattr(p, x) for p in points]
+    if min(xs) > 0 and max(xs) / min(xs) >= 8:
+        ax.set_xscale("log", base=2 if x == "k" else 10)
+    ax.set_xlabel("K (active units per token)" if x == "k" else "active parameters per token (sparse layers)")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric} vs {'K' if x == 'k' else 'active parameters'}")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=120)
+    plt.close(fig)
+    record = {"metric": metric, "x": x, "base_value": bases[0] if bases else None,
+              "points": [asdict(p) for p in points]}
+    output.with_suffix(".json").write_text(json.dumps(record, indent=2), encoding="utf-8")
+    return output

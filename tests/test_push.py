@@ -1,0 +1,210 @@
+"""`expertize push`: the Hub calls patched to copy into a local "repo", from which a process without expertize loads
+the model; the files chosen; the card's repo id; errors (no token, not an expertize folder, name clash, namespace)."""
+
+import json
+import shutil
+from pathlib import Path
+from unittest import mock
+
+import httpx2
+import pytest
+import torch
+from huggingface_hub import HfApi, ModelCard, RepoUrl
+from huggingface_hub.errors import HfHubHTTPError, RevisionNotFoundError
+
+from expertize.conversion.cli import main as cli_main
+from expertize.conversion.model_folder import ModelFolderError, refresh_model_card
+from expertize.conversion.push import PushError, files_to_upload, push_model
+from expertize.conversion.splice import save_model, splice
+from expertize.modeling import MxdLayer, MxdSpec
+from tests.conftest import D_HIDDEN, D_MODEL, run_isolated, tiny_base_model, tiny_tokenizer
+
+REPO = "alice/tiny-mxd"
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A saved tiny spliced model with a card, training leftovers and lm-eval files."""
+    spec = MxdSpec(d_in=D_MODEL, d_out=D_MODEL, d_hidden=D_HIDDEN, num_experts=16, k=4, activation="gelu_new")
+    torch.manual_seed(0)
+    folder = save_model(splice(tiny_base_model("gpt2"), {1: MxdLayer(spec)}), tmp_path / "model",
+                        tokenizer=tiny_tokenizer())
+    (folder / "provenance.json").write_text(json.dumps({"base_model": "openai-community/gpt2"}), encoding="utf-8")
+    (folder / "metrics.json").write_text(json.dumps({"ce": {"base": 3.0, "spliced": 3.1}}), encoding="utf-8")
+    refresh_model_card(folder)
+    (folder / "checkpoint").mkdir()
+    (folder / "checkpoint" / "state.pt").write_bytes(b"optimizer state")
+    (folder / "lm_eval" / "model").mkdir(parents=True)
+    (folder / "lm_eval" / "model" / "results_2026.json").write_text("{}", encoding="utf-8")
+    (folder / "lm_eval" / "model" / "samples_tiny_ppl_2026.jsonl").write_text("{}\n", encoding="utf-8")
+    (folder / ".README.md.123.tmp").write_text("half a card", encoding="utf-8")
+    return folder
+
+
+def _http_error(cls, status: int, **kwargs):
+    response = httpx2.Response(status, request=httpx2.Request("POST", "https://huggingface.co/api/repos/create"))
+    return cls(f"{status} error", response=response, **kwargs)
+
+
+class FakeHub:
+    """Stands in for the Hub: create_repo / create_branch record their calls, upload_folder copies the folder."""
+
+    def __init__(self, root: Path, *, create_error: Exception | None = None, existing: dict | None = None):
+        self.root, self.create_error, self.existing = root, create_error, existing
+        self.calls: list[tuple] = []
+
+    def create_repo(self, api, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id, kwargs))
+        if self.create_error is not None:
+            raise self.create_error
+        return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+    def create_branch(self, api, repo_id, *, branch, **kwargs):
+        self.calls.append(("create_branch", repo_id, branch))
+
+    def list_repo_files(self, api, repo_id, *, revision=None, **kwargs):
+        if revision is not None and revision not in self.existing.get("branches", ()):
+            raise _http_error(RevisionNotFoundError, 404)
+        return list(self.existing["files"])
+
+    def hf_hub_download(self, api, repo_id, filename, *, revision=None, **kwargs):
+        path = self.root / "download" / filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.existing["config"]), encoding="utf-8")
+        return str(path)
+
+    def upload_folder(self, api, *, repo_id, folder_path, revision=None, **kwargs):
+        self.calls.append(("upload_folder", repo_id, revision))
+        target = self.root / repo_id.replace("/", "--") / (revision or "main")
+        shutil.copytree(folder_path, target, dirs_exist_ok=True)
+        return mock.Mock(commit_url=f"https://huggingface.co/{repo_id}/commit/abc")
+
+    def __enter__(self):
+        self._patches = [
+            mock.patch.object(HfApi, name, autospec=True, side_effect=getattr(self, name))
+            for name in ("create_repo", "create_branch", "list_repo_files", "hf_hub_download", "upload_folder")
+        ]
+        self._patches.append(mock.patch("expertize.conversion.push.get_token", return_value="hf_fake"))
+        for p in self._patches:
+            p.start()
+        return self
+
+    def __exit__(self, *exc):
+        for p in self._patches:
+            p.stop()
+
+
+def test_push_uploads_a_folder_that_loads_without_expertize(model_dir, tmp_path):
+    hub_root = tmp_path / "hub"
+    with FakeHub(hub_root) as hub:
+        assert cli_main(["push", str(model_dir), "--repo-id", REPO, "--private"]) == 0
+    assert hub.calls[0] == ("create_repo", REPO, {"private": True, "exist_ok": False, "repo_type": "model"})
+    assert hub.calls[-1] == ("upload_folder", REPO, None)
+    repo = hub_root / "alice--tiny-mxd" / "main"
+    uploaded = sorted(p.relative_to(repo).as_posix() for p in repo.rglob("*") if p.is_file())
+    assert uploaded == files_to_upload(model_dir)
+    assert "lm_eval/model/results_2026.json" in uploaded and "metrics.json" in uploaded
+    assert not any(name.startswith(("checkpoint/", ".")) or "samples_" in name for name in uploaded)
+    assert not list(model_dir.glob(".push.*"))  # the staging folder is gone
+
+    # The uploaded card names the real repo; the local one is untouched.
+    text = (repo / "README.md").read_text(encoding="utf-8")
+    assert f'repo = "{REPO}"' in text and ModelCard.load(repo / "README.md").data.model_name == "tiny-mxd"
+    assert '"<user>/' in (model_dir / "README.md").read_text(encoding="utf-8")
+
+    # From the "Hub" copy, a process that cannot import expertize loads the model through remote code.
+    torch.manual_seed(0)
+    ids = torch.randint(0, 99, (1, 7))
+    from expertize.conversion.splice import load_expertize_model
+
+    expected = load_expertize_model(model_dir)(ids).logits[0, -1, :5].tolist()
+    out = run_isolated(
+        f"""
+        import json, torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        model = AutoModelForCausalLM.from_pretrained({str(repo)!r}, trust_remote_code=True)
+        AutoTokenizer.from_pretrained({str(repo)!r}, trust_remote_code=True)
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        print(json.dumps(model(torch.tensor({ids.tolist()})).logits[0, -1, :5].tolist()))
+        """,
+        tmp_path,
+    )
+    assert json.loads(out.strip().splitlines()[-1]) == pytest.approx(expected, abs=1e-6)
+
+
+def test_push_include_samples_and_revision(model_dir, tmp_path):
+    assert "lm_eval/model/samples_tiny_ppl_2026.jsonl" in files_to_upload(model_dir, include_samples=True)
+    existing = {"files": [".gitattributes", "README.md", "config.json"], "config": {"model_type": "expertize_gpt2"}}
+    conflict = _http_error(HfHubHTTPError, 409)
+    with FakeHub(tmp_path / "hub", create_error=conflict, existing=existing) as hub:
+        url = push_model(model_dir, REPO, revision="k8", include_samples=True)
+    assert url == f"https://huggingface.co/{REPO}/commit/abc"
+    assert ("create_branch", REPO, "k8") in hub.calls and hub.calls[-1] == ("upload_folder", REPO, "k8")
+    assert (tmp_path / "hub" / "alice--tiny-mxd" / "k8" / "lm_eval/model/samples_tiny_ppl_2026.jsonl").is_file()
+
+
+def test_push_updates_an_existing_expertize_repo(model_dir, tmp_path):
+    existing = {"files": ["README.md", "config.json", "model.safetensors"], "config": {"model_type": "expertize_gpt2"}}
+    with FakeHub(tmp_path / "hub", create_error=_http_error(HfHubHTTPError, 409), existing=existing) as hub:
+        push_model(model_dir, REPO)
+    assert hub.calls[-1] == ("upload_folder", REPO, None)
+
+
+def test_push_refuses_a_repo_holding_another_model(model_dir, tmp_path, capsys):
+    existing = {"files": ["README.md", "config.json", "model.safetensors"], "config": {"model_type": "llama"}}
+    with FakeHub(tmp_path / "hub", create_error=_http_error(HfHubHTTPError, 409), existing=existing) as hub:
+        assert cli_main(["push", str(model_dir), "--repo-id", REPO]) == 2
+        err = capsys.readouterr().err
+        assert f"{REPO} already exists and holds a 'llama' model, not an expertize model" in err
+        assert "another --repo-id" in err and "--revision NAME" in err
+        assert not [c for c in hub.calls if c[0] == "upload_folder"]
+        # The suggested fix: a new branch of that repo.
+        assert cli_main(["push", str(model_dir), "--repo-id", REPO, "--revision", "expertize"]) == 0
+    assert hub.calls[-1] == ("upload_folder", REPO, "expertize")
+
+
+def test_push_refuses_a_namespace_it_cannot_write(model_dir, tmp_path):
+    with FakeHub(tmp_path / "hub", create_error=_http_error(HfHubHTTPError, 403)):
+        with pytest.raises(PushError, match="cannot write to namespace 'alice'"):
+            push_model(model_dir, REPO)
+
+
+def test_push_without_a_token_stops_before_the_network(model_dir, tmp_path, capsys):
+    with FakeHub(tmp_path / "hub") as hub, mock.patch("expertize.conversion.push.get_token", return_value=None):
+        assert cli_main(["push", str(model_dir), "--repo-id", REPO]) == 2
+    err = capsys.readouterr().err
+    assert "expertize push: error: no Hugging Face token" in err and "hf auth login" in err and "--token" in err
+    assert hub.calls == []
+
+
+def test_push_refuses_folders_that_are_not_expertize_models(tmp_path):
+    base = tmp_path / "plain"
+    tiny_base_model("gpt2").save_pretrained(base)
+    with FakeHub(tmp_path / "hub") as hub:
+        with pytest.raises(ModelFolderError, match="holds a 'gpt2' model, not an expertize model"):
+            push_model(base, REPO)
+        with pytest.raises(ValueError, match="has no config.json"):
+            push_model(tmp_path, REPO)
+        spec = MxdSpec(d_in=D_MODEL, d_out=D_MODEL, d_hidden=D_HIDDEN, num_experts=16, k=4, activation="gelu_new")
+        folder = save_model(splice(tiny_base_model("gpt2"), {1: MxdLayer(spec)}), tmp_path / "m")
+        (folder / "model.safetensors").unlink()
+        with pytest.raises(ValueError, match="has no weights"):
+            push_model(folder, REPO)
+        with pytest.raises(PushError, match="expected USER/NAME"):
+            push_model(folder, "tiny-mxd")
+    assert hub.calls == []
+
+
+def test_push_keeps_a_card_the_user_wrote_and_renders_a_missing_one(model_dir, tmp_path):
+    (model_dir / "README.md").write_text("---\nlicense: mit\n---\n# My own card\n", encoding="utf-8")
+    with FakeHub(tmp_path / "hub"):
+        push_model(model_dir, REPO)
+    repo = tmp_path / "hub" / "alice--tiny-mxd" / "main"
+    assert (repo / "README.md").read_text(encoding="utf-8") == "---\nlicense: mit\n---\n# My own card\n"
+
+    (model_dir / "README.md").unlink()
+    with FakeHub(tmp_path / "hub2"):
+        push_model(model_dir, REPO)
+    card = ModelCard.load(tmp_path / "hub2" / "alice--tiny-mxd" / "main" / "README.md")
+    assert card.data.base_model == "openai-community/gpt2" and f'repo = "{REPO}"' in card.text
+    assert not (model_dir / "README.md").exists()
