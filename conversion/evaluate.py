@@ -27,7 +27,7 @@ from .capture import MlpCapture, replaced_mlps
 from .metrics import ReconstructionStats, kl_base_to_other, next_token_ce
 from .recipe import EvalConfig
 
-__all__ = ["evaluate_sparse_layers", "generation_match_curve", "plot_firing_frequency", "plot_match_curve"]
+__all__ = ["evaluate_sparse_layers", "generation_match_curve", "plot_firing_frequency", "plot_match_curve", "spliced_ce"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -227,6 +227,28 @@ def evaluate_sparse_layers(
             plot = str(plot_match_curve(generation["match_curve"], Path(plots_dir) / "generation_match.png"))
         generation["match_curve_plot"] = plot
     return {"layers": report_layers, "ce": ce.summary(), "generation": generation, "eval_tokens": eval_tokens}
+
+
+@torch.no_grad()
+def spliced_ce(
+    model: nn.Module,
+    layers: Mapping[int, SparseLayer],
+    eval_sequences: torch.LongTensor,
+    batch_sequences: int = 16,
+    progress: bool = False,
+) -> dict:
+    """Next-token CE of the base causal LM `model` and of `model` with `layers` swapped in, and their difference:
+    the cheap check of an initialization (e.g. the ΔCE a GELU -> ReLU switch costs before training)."""
+    spliced = {i: _CastToLayer(layers[i]) for i in sorted(layers)}
+    ce = _CeSums()
+    with _eval_mode(model, *layers.values()):
+        for input_ids in _batches(model, eval_sequences, batch_sequences, progress, "ce"):
+            ce.predicted_tokens += input_ids.shape[0] * (input_ids.shape[1] - 1)
+            ce.add("base", _logits(model, input_ids), input_ids)
+            with replaced_mlps(model, spliced):
+                ce.add("spliced", _logits(model, input_ids), input_ids)
+    summary = ce.summary()
+    return {"base": summary["base"], "spliced": summary["spliced"], "delta": summary["spliced"] - summary["base"]}
 
 
 def _batches(

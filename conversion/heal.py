@@ -45,13 +45,20 @@ def lora_config(cfg: HealConfig, family: str):
     from peft import LoraConfig
 
     targets = ATTENTION_PROJECTIONS[family] if cfg.lora_target_modules == "auto" else list(cfg.lora_target_modules)
+    if family == "gpt2" and targets and cfg.lora_target_parameters:
+        # PEFT switches the config to fan_in_fan_out for Conv1D targets, and its ParamWrapper refuses that setting.
+        raise ValueError(
+            "heal: PEFT cannot put GPT-2's Conv1D attention (lora_target_modules) and lora_target_parameters in one "
+            "LoRA adapter; set heal.lora_target_modules: [] to adapt only the sparse parameters, or drop "
+            "heal.lora_target_parameters"
+        )
     return LoraConfig(
         r=cfg.lora_r,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=0.0,  # PEFT's target_parameters allows no dropout; keep one setting for both
-        target_modules=targets,
+        target_modules=targets or None,
         target_parameters=list(cfg.lora_target_parameters) or None,
-        fan_in_fan_out=family == "gpt2",  # GPT-2's Conv1D stores weights as (in, out)
+        fan_in_fan_out=family == "gpt2" and bool(targets),  # GPT-2's Conv1D stores weights as (in, out)
         bias="none",
     )
 

@@ -74,6 +74,7 @@ class RecipeError(ValueError):
 # them, and the spec fields the recipe derives from the base model may not be set at all.
 _SPEC_FIELDS_FROM_RECIPE = ("k", "num_experts", "num_latents", "d_hidden", "encoder", "activation")
 _SPEC_FIELDS_FROM_MODEL = ("d_in", "d_out")
+_DENSE_INIT_KINDS = ("moe_x",)
 
 
 @dataclasses.dataclass
@@ -103,14 +104,26 @@ class LayerConfig:
     the MxD paper's Table 2: N = 21,490 for GPT-2)."""
 
     d_hidden: int | None = None
-    """mxd: H, the width of the dense hidden code; default: the base MLP's width."""
+    """H, the width of the dense hidden code (mxd, μMoE) or the total expert width (Monet); default: the base
+    MLP's width. Kinds without the field reject it."""
 
     encoder: Literal["auto", "mlp", "glu"] = "auto"
-    """mxd encoder: "auto" (glu when the base MLP is gated, else mlp), "mlp" or "glu"."""
+    """Dense encoder of mxd and μMoE: "auto" (glu when the base MLP is gated, else mlp), "mlp" or "glu"."""
 
     activation: str = "auto"
-    """mxd hidden activation: "auto" (the base MLP's: gelu_new for GPT-2, gelu for Pythia, silu for Llama), or
-    gelu, gelu_new, silu, relu."""
+    """Hidden activation of kinds that have one: "auto" (the base MLP's: gelu_new for GPT-2, gelu for Pythia, silu
+    for Llama; MoE-X keeps its ReLU), or gelu, gelu_new, silu, relu, relu2."""
+
+    init: Literal["default", "split", "copy"] = "default"
+    """Where the layer's weights start (moe_x only for split / copy): "default" (the layer's own init), "split"
+    (the dense MLP's hidden neurons partitioned over the experts; with all experts on it equals the MLP) or "copy"
+    (every expert a noisy copy of the MLP). See expertize.conversion.dense_init."""
+
+    init_clustering: Literal["random", "balanced_kmeans"] = "random"
+    """split: how neurons are grouped into experts (random, or balanced k-means on their input weights)."""
+
+    init_noise: float | None = None
+    """copy: relative std of the noise on each expert's encoder (breaks the router's ties); null: the default 0.01."""
 
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Further fields of the layer's spec, passed through and validated by it, e.g. {random_k: true} or
@@ -140,6 +153,14 @@ class LayerConfig:
         self._check_fields_apply()
         self._check_size()
         self._check_options()
+        if self.init != "default" and self.kind not in _DENSE_INIT_KINDS:
+            raise ValueError(
+                f"layer.init={self.init!r}: initialization from the dense MLP is implemented for "
+                f"{', '.join(_DENSE_INIT_KINDS)}, not {self.kind!r}; use init: default"
+            )
+        if self.init_noise is not None and (self.init != "copy" or not self.init_noise >= 0):
+            raise ValueError(f"layer.init_noise: a number >= 0 for init: copy only, got {self.init_noise!r} with "
+                             f"init: {self.init}")
 
     def _check_fields_apply(self) -> None:
         """Fields the kind's spec does not have must keep their defaults (e.g. layer.encoder for a transcoder)."""
@@ -328,7 +349,8 @@ class HealConfig:
 
     lora_target_modules: list[str] | Literal["auto"] = "auto"
     """Modules LoRA adapts (PEFT suffix names); "auto": the attention projections of the base family (GPT-2
-    attn.c_attn, attn.c_proj; GPT-NeoX attention.query_key_value, attention.dense; Llama-like q/k/v/o_proj)."""
+    attn.c_attn, attn.c_proj; GPT-NeoX attention.query_key_value, attention.dense; Llama-like q/k/v/o_proj); []:
+    none (with lora_target_parameters)."""
 
     lora_target_parameters: list[str] = dataclasses.field(default_factory=list)
     """Sparse-layer parameters adapted by LoRA instead of trained fully (PEFT `target_parameters`, e.g.
@@ -369,8 +391,10 @@ class HealConfig:
                     raise ValueError(f"heal.{name}: LoRA settings need heal.rest: lora (it is {self.rest!r})")
             if self.lora_target_modules != "auto":
                 raise ValueError(f"heal.lora_target_modules: LoRA settings need heal.rest: lora (it is {self.rest!r})")
-        if self.lora_target_modules != "auto" and not self.lora_target_modules:
-            raise ValueError('heal.lora_target_modules: empty; list module names or write "auto"')
+        if self.lora_target_modules != "auto" and not self.lora_target_modules and not self.lora_target_parameters:
+            raise ValueError(
+                'heal.lora_target_modules: empty and no heal.lora_target_parameters; list module names or write "auto"'
+            )
 
 
 @dataclasses.dataclass
@@ -394,15 +418,41 @@ class EvalConfig:
     """Record how often each expert / latent fires (dead and dense units)."""
 
     lm_eval_tasks: list[str] = dataclasses.field(default_factory=list)
-    """lm-evaluation-harness task names to run on the base and the spliced model after training (empty: none)."""
+    """lm-evaluation-harness task names to run on the base and the spliced model after training (empty: none), e.g.
+    [expertize_stories_ppl, expertize_stories_cloze] (offline tasks shipped with expertize) or [hellaswag]."""
+
+    lm_eval_num_fewshot: int | None = None
+    """Few-shot examples per lm-eval prompt; null: each task's default."""
+
+    lm_eval_limit: int | float | None = None
+    """Documents per lm-eval task (a fraction when < 1); null: all of them. Partial results: smoke tests only."""
+
+    lm_eval_batch_size: int = 8
+    """Requests per forward pass of the lm-eval runs."""
+
+    lm_eval_include_paths: list[str] = dataclasses.field(default_factory=list)
+    """Extra folders of lm-eval task YAMLs (e.g. written by `expertize tasks`); the shipped offline tasks are
+    always available."""
 
     def __post_init__(self) -> None:
         _check_field_types(self, "eval")
-        for name in ("batch_sequences", "prompt_tokens", "continuation_tokens"):
+        for name in ("batch_sequences", "prompt_tokens", "continuation_tokens", "lm_eval_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"eval.{name}: must be >= 1, got {getattr(self, name)}")
         if self.generation_prompts < 0:
             raise ValueError(f"eval.generation_prompts: must be >= 0, got {self.generation_prompts}")
+        if self.lm_eval_num_fewshot is not None and self.lm_eval_num_fewshot < 0:
+            raise ValueError(f"eval.lm_eval_num_fewshot: must be >= 0 (or null), got {self.lm_eval_num_fewshot}")
+        if self.lm_eval_limit is not None and not self.lm_eval_limit > 0:
+            raise ValueError(
+                f"eval.lm_eval_limit: must be > 0 (documents per task, or a fraction < 1) or null, got "
+                f"{self.lm_eval_limit}"
+            )
+        if any(not task.strip() for task in self.lm_eval_tasks):
+            raise ValueError(f"eval.lm_eval_tasks: empty task name in {self.lm_eval_tasks}")
+        for path in self.lm_eval_include_paths:
+            if not Path(path).is_dir():
+                raise ValueError(f"eval.lm_eval_include_paths: {path!r} is not a folder of task YAMLs")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -491,6 +541,8 @@ def resolve_layer_spec(layer: LayerConfig, shape: MlpShape) -> SparseSpec:
         fields["encoder"] = ("glu" if shape.glu else "mlp") if layer.encoder == "auto" else layer.encoder
     if "activation" in spec_fields:
         fields["activation"] = _auto_activation(shape) if layer.activation == "auto" else layer.activation
+    if layer.kind == "moe_x":
+        fields.update(_moe_x_fields(layer, shape))
     fields.update(layer.options)
 
     units, match_field = layer.units_field, _match_field(layer.kind)
@@ -539,6 +591,30 @@ def resolve_layer_spec(layer: LayerConfig, shape: MlpShape) -> SparseSpec:
             str(e),
         )
         raise RecipeError(f"layer: {message}{derived}") from None
+
+
+def _moe_x_fields(layer: LayerConfig, shape: MlpShape) -> dict[str, Any]:
+    """MoE-X fields the recipe derives from the base MLP (layer.options still override them).
+
+    Experts mirror the MLP's form (GLU experts for gated MLPs, encoder biases where the MLP has them) and its width:
+    d_expert = ceil(H / M) (the dense width split over the experts), or H for init: copy. `activation: auto` keeps
+    the MLP's activation when the weights come from it (an exact split / copy) and is MoE-X's ReLU otherwise; the
+    GELU/SiLU -> ReLU switch of an upcycled layer is explicit (activation: relu), and its cost before training is in
+    metrics.json["init"].
+    """
+    num_experts = layer.num_experts if layer.num_experts is not None else _field_default(
+        LAYER_KINDS["moe_x"][0], "num_experts")
+    return {
+        "d_expert": shape.d_hidden if layer.init == "copy" else math.ceil(shape.d_hidden / num_experts),
+        "expert_glu": shape.glu,
+        "expert_bias": not shape.glu,  # GPT-2 / Pythia MLPs have biases, Llama-like gated ones do not
+        # split with k < M: K · softmax keeps the experts' scale while the router still gets a gradient.
+        "gate_scaling": "k_softmax" if layer.init == "split" else "softmax",
+        "activation": (
+            ("relu" if layer.init == "default" else _auto_activation(shape))
+            if layer.activation == "auto" else layer.activation
+        ),
+    }
 
 
 def _auto_activation(shape: MlpShape) -> str:

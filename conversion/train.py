@@ -70,8 +70,10 @@ class Trainer:
         run_dir: Path,
         accelerator,
         progress: bool = True,
+        init_output_bias: bool = True,
     ) -> None:
         self.layers, self.batches, self.cfg, self.total_steps = layers, batches, cfg, total_steps
+        self.init_output_bias = init_output_bias  # False keeps b_dec (e.g. copied from the dense MLP)
         self.run_dir, self.accelerator, self.progress = run_dir, accelerator, progress
         self.checkpoint_dir = run_dir / "checkpoint"
         self.log_path = run_dir / "train_log.jsonl"
@@ -140,10 +142,12 @@ class Trainer:
 
     @torch.no_grad()
     def _init_output_bias(self, batch) -> None:
-        """The paper's init: b_dec = mean MLP output (on the first batch's tokens, averaged over ranks)."""
+        """The paper's init: b_dec = mean MLP output (on the first batch's tokens, averaged over ranks). The mean is
+        kept for the evaluation's mean ablation either way."""
         for i, (_, y) in batch.items():
             mean = self.accelerator.reduce(y.float().mean(0), reduction="mean")
-            self.layers[i].b_dec.copy_(mean.to(self.layers[i].b_dec.dtype))
+            if self.init_output_bias:
+                self.layers[i].b_dec.copy_(mean.to(self.layers[i].b_dec.dtype))
             self.state.mean_outputs[i] = mean.cpu()
 
     def fit(self) -> dict[int, SparseLayer]:

@@ -3,7 +3,8 @@
     recipe -> base model + tokenizer -> packed text -> captured (x, y) -> train -> evaluate -> splice -> save
 
 The output folder loads with `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` and also holds
-metrics.json, recipe.resolved.yaml, provenance.json (versions, seed, git commit), plots/ and README.md (model card).
+metrics.json, recipe.resolved.yaml, provenance.json (versions, seed, git commit), plots/ and README.md (model card);
+with `eval.lm_eval_tasks`, lm_eval/ holds the harness's files for the base and the spliced model (benchmark.py).
 While training, `checkpoint/` holds the resumable state; running the same command again resumes from it.
 """
 
@@ -23,11 +24,13 @@ from expertize import __version__
 from expertize.modeling import FAMILIES, SparseLayer, build_sparse_layer
 
 from .activations import ActivationBatches
-from .capture import MlpCapture
-from .card import write_model_card
+from .benchmark import LmEvalPlan
+from .capture import MlpCapture, decoder_blocks
 from .data import iter_sequences, load_eval_sequences, token_budget_to_sequences
-from .evaluate import evaluate_sparse_layers
+from .dense_init import init_moe_from_dense
+from .evaluate import evaluate_sparse_layers, spliced_ce
 from .heal import Healer
+from .model_folder import refresh_model_card
 from .recipe import Recipe, recipe_to_dict, resolve_layer_spec, resolve_layers
 from .splice import base_family, load_base_model, splice
 from .train import Trainer
@@ -41,6 +44,7 @@ def upcycle(recipe: Recipe, *, progress: bool = True) -> Path:
     from accelerate import Accelerator
 
     out = Path(recipe.output_dir)
+    lm_eval_plan = LmEvalPlan.from_eval_config(recipe.eval)  # unknown task names fail now, not after training
     _prepare_output_dir(out, recipe)
     accelerator = Accelerator(cpu=recipe.train.device == "cpu")
     torch.manual_seed(recipe.train.seed)
@@ -53,6 +57,12 @@ def upcycle(recipe: Recipe, *, progress: bool = True) -> Path:
     layer_ids = resolve_layers(recipe, base.config.num_hidden_layers)
     spec = resolve_layer_spec(recipe.layer, shape)
     layers: dict[int, SparseLayer] = {i: build_sparse_layer(spec) for i in layer_ids}
+    init_metrics = None
+    if recipe.layer.init != "default":
+        _init_from_dense(recipe, base, layers)
+        if accelerator.is_main_process:
+            init_metrics = spliced_ce(base, layers, load_eval_sequences(recipe.data, tokenizer),
+                                      recipe.eval.batch_sequences)
 
     train, data = recipe.train, recipe.data
     if recipe.heal is not None and accelerator.num_processes > 1:
@@ -73,7 +83,8 @@ def upcycle(recipe: Recipe, *, progress: bool = True) -> Path:
             rank=accelerator.process_index, world_size=accelerator.num_processes,
         )
         trainer = Trainer(
-            layers, batches, train, total_steps=total_steps, run_dir=out, accelerator=accelerator, progress=progress
+            layers, batches, train, total_steps=total_steps, run_dir=out, accelerator=accelerator, progress=progress,
+            init_output_bias=recipe.layer.init == "default",
         )
         trainer.fit()
         trainer.save_checkpoint()  # a run killed during evaluation resumes straight into it
@@ -107,6 +118,8 @@ def upcycle(recipe: Recipe, *, progress: bool = True) -> Path:
             progress=progress,
         )
         metrics["train"] = {"steps": total_steps, "tokens": total_steps * train.tokens_per_step}
+        if init_metrics is not None:
+            metrics["init"] = {"method": recipe.layer.init, **init_metrics}
         if healer is not None:
             metrics["heal"] = healer.summary()
             model = healed.cpu()
@@ -115,22 +128,44 @@ def upcycle(recipe: Recipe, *, progress: bool = True) -> Path:
             model = splice(base.cpu().float(), {i: m.cpu() for i, m in layers.items()})
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        metrics["recipe_summary"] = recipe_summary(recipe, total_steps)  # the card's Training rows, for refreshes
+        if lm_eval_plan is not None:
+            metrics["lm_eval"] = lm_eval_plan.run(
+                model, base, tokenizer, staging, device=accelerator.device, model_name=str(out),
+                base_name=recipe.base_model, log=_tqdm_write if progress else None,
+            )
         (staging / "metrics.json").write_text(json.dumps(metrics, indent=2), encoding="utf-8")
         (staging / RESOLVED_RECIPE).write_text(
             yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, allow_unicode=True), encoding="utf-8"
         )
         (staging / "provenance.json").write_text(json.dumps(provenance(recipe), indent=2), encoding="utf-8")
-        write_model_card(
-            staging,
-            base_model=recipe.base_model,
-            layers={i: {**spec.to_dict(), "num_parameters": spec.num_parameters()} for i in layer_ids},
-            recipe_summary=recipe_summary(recipe, total_steps),
-            metrics=metrics,
-        )
+        refresh_model_card(staging)  # from config.json, metrics.json and provenance.json, as `expertize eval` does
         _publish(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def _tqdm_write(message: str) -> None:
+    from tqdm.auto import tqdm
+
+    tqdm.write(f"expertize: {message}")
+
+
+def _init_from_dense(recipe: Recipe, base, layers: dict[int, SparseLayer]) -> None:
+    """Overwrite the layers with the base MLPs' weights (recipe `layer.init: split | copy`)."""
+    blocks = decoder_blocks(base)
+    for i, layer in layers.items():
+        init_moe_from_dense(
+            layer,
+            blocks[i].mlp,
+            recipe.layer.init,
+            clustering=recipe.layer.init_clustering,
+            noise_std=recipe.layer.init_noise,
+            seed=recipe.train.seed + i,
+            # The recipe states the activation (auto keeps the MLP's), so a switch to ReLU here is intended.
+            allow_activation_change=True,
+        )
 
 
 def activation_batches(

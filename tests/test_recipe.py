@@ -438,8 +438,8 @@ def test_match_transcoder_too_small_for_the_dense_part():
 
 
 def test_unsupported_base_activation_needs_an_explicit_one():
-    with pytest.raises(RecipeError, match=r"layer\.activation: 'auto' cannot use the base MLP's activation 'relu2'"):
-        resolve_layer_spec(LayerConfig(num_experts=64), MlpShape(64, 256, "relu2", False))
+    with pytest.raises(RecipeError, match=r"layer\.activation: 'auto' cannot use the base MLP's activation 'quick_gelu'"):
+        resolve_layer_spec(LayerConfig(num_experts=64), MlpShape(64, 256, "quick_gelu", False))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -463,14 +463,54 @@ def test_round_trip_keeps_every_field(tmp_path):
             layer={"kind": "mxd", "k": 8, "num_experts": 64, "d_hidden": 128, "options": {"unit_norm_experts": True}},
             train={"lr": 3e-4, "betas": [0.8, 0.9], "grad_clip": None, "schedule": "cosine"},
             eval={"lm_eval_tasks": ["hellaswag"]},
+            heal={"rest": "lora", "lora_target_modules": ["q_proj"], "objective": "lm"},
             base_revision="main",
         )
     )
     tree = recipe_to_dict(recipe)
-    assert list(tree) == ["base_model", "base_revision", "dtype", "layers", "layer", "data", "train", "eval",
+    assert list(tree) == ["base_model", "base_revision", "dtype", "layers", "layer", "data", "train", "heal", "eval",
                           "output_dir"]
+    assert tree["heal"]["lora_target_modules"] == ["q_proj"]
     assert tree["layer"]["options"] == {"unit_norm_experts": True} and tree["train"]["grad_clip"] is None
     path = tmp_path / "recipe.resolved.yaml"
     save_recipe(recipe, path)
     assert load_recipe(path) == recipe
     assert isinstance(recipe, Recipe)
+
+
+@pytest.mark.parametrize(
+    "sections, expected",
+    [
+        ({"train": {"distill": False}}, r"train\.distill is false and there is no heal: section"),
+        ({"heal": {"lora_target_parameters": ["mlp.W_enc"]}}, r"heal\.lora_target_parameters: LoRA settings need "
+                                                                r"heal\.rest: lora"),
+        ({"heal": {"rest": "lora", "lora_target_modules": []}}, r"heal\.lora_target_modules: empty"),
+        ({"heal": {"objective": "mse"}}, r"heal\.objective: expected one of 'kl', 'lm'"),
+        ({"heal": {"tokens": 0}}, r"heal\.tokens: must be >= 1"),
+    ],
+)
+def test_heal_section_errors(sections, expected):
+    with pytest.raises(RecipeError, match=expected):
+        recipe_from_dict(minimal(**sections))
+
+
+def test_generic_parameter_matching_sizes_other_kinds_and_names_the_field():
+    """match_transcoder works for every kind: routed neurons get N, μMoE (match_field = rank) gets the rank."""
+    from expertize.conversion.recipe import resolve_layer_spec
+    from expertize.modeling import TranscoderSpec
+    from expertize.modeling.configuration_expertize import MlpShape
+
+    shape = MlpShape(64, 256, "gelu_new", glu=False)
+    budget = TranscoderSpec(d_in=64, d_out=64, num_latents=8 * 64, k=1).num_parameters()
+    routed = resolve_layer_spec(recipe_from_dict(minimal(layer={"kind": "routed_neurons", "k": 8,
+                                                                "match_transcoder": 8})).layer, shape)
+    assert routed.num_parameters() <= budget < type(routed).from_dict({**routed.to_dict(),
+                                                                      "num_experts": routed.num_experts + 1}).num_parameters()
+    mumoe = resolve_layer_spec(recipe_from_dict(minimal(layer={"kind": "mumoe_cp", "num_experts": 16,
+                                                               "match_transcoder": 8})).layer, shape)
+    assert mumoe.num_experts == 16
+    assert mumoe.num_parameters() <= budget < type(mumoe).from_dict({**mumoe.to_dict(),
+                                                                    "rank": mumoe.rank + 1}).num_parameters()
+    with pytest.raises(RecipeError, match=r"layer\.match_transcoder chooses rank.*remove layer\.options\.rank"):
+        recipe_from_dict(minimal(layer={"kind": "mumoe_cp", "num_experts": 16, "match_transcoder": 8,
+                                        "options": {"rank": 4}}))

@@ -1,0 +1,191 @@
+"""Upcycling MoE-X from dense MLPs: split reproduces the MLP exactly, copy + noise spreads tokens over the experts,
+activation switches are explicit, and misfit specs fail with clear messages."""
+
+import pytest
+import torch
+
+from expertize.conversion.capture import decoder_blocks
+from expertize.conversion.dense_init import (
+    dense_mlp,
+    init_moe_from_dense,
+    moe_x_from_dense,
+    moe_x_spec_for_mlp,
+    partition_neurons,
+)
+from expertize.modeling import MlpShape, MoeXLayer
+from tests.conftest import D_HIDDEN, D_MODEL, tiny_base_model
+
+FAMILIES = ["gpt2", "gpt_neox", "llama", "mistral", "qwen2"]
+BASE_ACTIVATION = {"gpt2": "gelu_new", "gpt_neox": "gelu", "llama": "silu", "mistral": "silu", "qwen2": "silu"}
+
+
+def _mlps(family: str) -> list[torch.nn.Module]:
+    model = tiny_base_model(family).double()
+    with torch.no_grad():  # random biases, so a dropped or misplaced bias shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    return [block.mlp for block in decoder_blocks(model)]
+
+
+def _x(T: int = 64) -> torch.Tensor:
+    return torch.randn(T, D_MODEL, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dense_mlp_reads_every_family(family):
+    mlp = _mlps(family)[0]
+    dense = dense_mlp(mlp)
+    assert dense.shape == (D_MODEL, D_HIDDEN, D_MODEL)
+    assert dense.activation == BASE_ACTIVATION[family]
+    assert dense.glu == (family not in ("gpt2", "gpt_neox"))
+    assert dense.has_bias == (family in ("gpt2", "gpt_neox"))
+
+
+@pytest.mark.parametrize("clustering", ["random", "balanced_kmeans"])
+@pytest.mark.parametrize("num_experts", [4, 37])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_split_with_all_experts_reproduces_the_dense_mlp_exactly(family, num_experts, clustering):
+    x = _x()
+    for mlp in _mlps(family):
+        layer = moe_x_from_dense(mlp, "split", num_experts, clustering=clustering)
+        assert layer.spec.k == num_experts and layer.spec.gate_scaling == "none"
+        assert layer.spec.d_expert == -(-D_HIDDEN // num_experts)  # 37 / 4 -> 10: three zero slots
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), mlp(x), rtol=1e-12, atol=1e-12)
+
+
+def test_split_padding_slots_are_zero():
+    mlp = _mlps("gpt2")[0]
+    dense = dense_mlp(mlp)
+    layer = moe_x_from_dense(mlp, "split", 4)
+    groups = partition_neurons(dense, 4)
+    assert [len(g) for g in groups] == [10, 9, 9, 9]
+    for j, group in enumerate(groups):
+        torch.testing.assert_close(layer.W_enc[j, : len(group)], dense.w_in[group])
+        torch.testing.assert_close(layer.W_dec[j, :, : len(group)], dense.w_out[:, group])
+        assert layer.W_enc[j, len(group) :].abs().sum() == 0 and layer.W_dec[j, :, len(group) :].abs().sum() == 0
+        assert layer.b_enc[j, len(group) :].abs().sum() == 0
+
+
+def test_split_with_fewer_experts_active_is_a_sparse_approximation():
+    mlp = _mlps("gpt_neox")[0]
+    layer = moe_x_from_dense(mlp, "split", 4, k=2)
+    x = _x()
+    with torch.no_grad():
+        assert not torch.allclose(layer(x), mlp(x))
+        assert layer.encode(x).top_k_index.shape == (64, 2 * 10)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_partitions_cover_every_neuron_once_and_kmeans_groups_similar_neurons(family):
+    dense = dense_mlp(_mlps(family)[0])
+    rows = torch.nn.functional.normalize(
+        dense.w_in if dense.w_up is None else torch.cat([dense.w_in, dense.w_up], dim=1), dim=1
+    )
+
+    def spread(groups):  # mean squared distance of a neuron to its group's centroid
+        return sum(((rows[g] - rows[g].mean(0)) ** 2).sum() for g in groups) / D_HIDDEN
+
+    for clustering in ("random", "balanced_kmeans"):
+        groups = partition_neurons(dense, 4, clustering, seed=3)
+        assert sorted(torch.cat(groups).tolist()) == list(range(D_HIDDEN))
+        assert sorted(len(g) for g in groups) == [9, 9, 9, 10]
+        assert all(torch.equal(a, b) for a, b in zip(groups, partition_neurons(dense, 4, clustering, seed=3)))
+    random_spread = sum(spread(partition_neurons(dense, 4, "random", seed=s)) for s in range(5)) / 5
+    assert spread(partition_neurons(dense, 4, "balanced_kmeans", seed=3)) < 0.95 * random_spread
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "llama"])
+def test_copy_without_noise_is_exact_but_every_token_ties_onto_the_same_experts(family):
+    mlp = _mlps(family)[0]
+    x = _x(200)
+    layer = moe_x_from_dense(mlp, "copy", 8, noise_std=0.0)
+    assert layer.spec.d_expert == D_HIDDEN and layer.spec.k == 2
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), mlp(x), rtol=1e-12, atol=1e-12)
+        used = layer.route(x).top_k_index.unique()
+    assert len(used) == 2  # identical experts: TopK's tie-breaking picks the same two for every token
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "llama"])
+def test_copy_with_noise_spreads_tokens_and_stays_close(family):
+    mlp = _mlps(family)[0]
+    x = _x(200)
+    layer = moe_x_from_dense(mlp, "copy", 8)  # default noise 1% of std(W_in)
+    with torch.no_grad():
+        used = layer.route(x).top_k_index.unique()
+        y, ref = layer(x), mlp(x)
+    assert len(used) > 2 and len(used) >= 6
+    assert (y - ref).norm() / ref.norm() < 0.05
+    assert not torch.equal(layer.W_enc[0], layer.W_enc[1])
+    torch.testing.assert_close(layer.W_dec[0], layer.W_dec[1])  # noise goes to the encoders only
+
+
+def test_activation_switch_is_explicit():
+    mlp = _mlps("gpt2")[0]
+    spec = moe_x_spec_for_mlp(mlp, "copy", 4, activation="relu")
+    with pytest.raises(ValueError, match=r"moe_x.activation='relu' differs from the dense MLP's 'gelu_new'"):
+        init_moe_from_dense(MoeXLayer(spec).double(), mlp, "copy")
+    layer = init_moe_from_dense(MoeXLayer(spec).double(), mlp, "copy", noise_std=0.0, allow_activation_change=True)
+    relu = moe_x_from_dense(mlp, "copy", 4, activation="relu", noise_std=0.0)
+    x = _x()
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), relu(x))
+        assert not torch.allclose(relu(x), mlp(x), atol=1e-3)
+    torch.testing.assert_close(relu.W_enc[2], dense_mlp(mlp).w_in)
+
+
+def test_llama_relu_switch_keeps_the_glu_form():
+    mlp = _mlps("llama")[0]
+    layer = moe_x_from_dense(mlp, "split", 4, activation="relu")
+    assert layer.spec.expert_glu and layer.spec.activation == "relu"
+    x = _x()
+    dense = dense_mlp(mlp)
+    relufied = (torch.relu(x @ dense.w_in.T) * (x @ dense.w_up.T)) @ dense.w_out.T  # ReLU-fied gated MLP
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), relufied, rtol=1e-12, atol=1e-12)
+
+
+def test_spec_for_mlp_from_module_and_shape():
+    gpt2 = moe_x_spec_for_mlp(_mlps("gpt2")[0], "copy", 8)
+    fields = (gpt2.d_expert, gpt2.k, gpt2.expert_bias, gpt2.expert_glu, gpt2.activation)
+    assert fields == (37, 2, True, False, "gelu_new")
+    shape = MlpShape(d_model=64, d_hidden=256, activation="silu", glu=True)
+    llama = moe_x_spec_for_mlp(shape, "split", 8, router="switch")
+    assert (llama.d_expert, llama.k, llama.gate_scaling, llama.expert_bias, llama.expert_glu, llama.router) == (
+        32, 8, "none", False, True, "switch"
+    )
+    gpt2_shape = moe_x_spec_for_mlp(MlpShape(64, 256, "gelu_pytorch_tanh", glu=False), "split", 8, k=2)
+    assert gpt2_shape.expert_bias and gpt2_shape.activation == "gelu_new" and gpt2_shape.k == 2
+
+
+@pytest.mark.parametrize(
+    "method, fields, message",
+    [
+        ("copy", dict(d_expert=20), r"d_expert=20 but copy of a 37-wide MLP into 4 experts needs d_expert=37"),
+        ("copy", dict(gate_scaling="none"), r"copy-upcycling needs gates that sum to 1"),
+        ("split", dict(gate_scaling="softmax"), r"split-upcycling with gate_scaling='softmax'"),
+        ("split", dict(expert_bias=False), r"the MLP has encoder biases but expert_bias=false"),
+        ("split", dict(expert_glu=True), r"expert_glu=True but the MLP is not gated"),
+    ],
+)
+def test_misfit_layers_are_rejected(method, fields, message):
+    mlp = _mlps("gpt2")[0]
+    spec = moe_x_spec_for_mlp(mlp, method, 4, **fields)
+    with pytest.raises(ValueError, match=message):
+        init_moe_from_dense(MoeXLayer(spec).double(), mlp, method)
+
+
+def test_bad_arguments():
+    mlp = _mlps("gpt2")[0]
+    with pytest.raises(ValueError, match=r"method must be one of \['split', 'copy'\], got 'clone'"):
+        moe_x_from_dense(mlp, "clone")
+    with pytest.raises(ValueError, match=r"clustering must be one of \['random', 'balanced_kmeans'\]"):
+        moe_x_from_dense(mlp, "split", 4, clustering="spectral")
+    with pytest.raises(ValueError, match=r"cannot split 37 hidden neurons into 40 experts"):
+        moe_x_from_dense(mlp, "split", 40)
+    with pytest.raises(ValueError, match=r"noise_std must be >= 0"):
+        moe_x_from_dense(mlp, "copy", 4, noise_std=-1.0)
+    with pytest.raises(ValueError, match=r"cannot read the dense MLP Linear .*supported layouts are GPT-2"):
+        dense_mlp(torch.nn.Linear(4, 4))
