@@ -20,6 +20,7 @@ Usage (from the repository root):
 
     /work/venv/bin/python scripts/check_transformers4.py --python /work/venv457/bin/python
     /work/venv/bin/python scripts/check_transformers4.py            # control: the same interpreter
+    /work/venv/bin/python scripts/check_transformers4.py --python ... --kinds moe_x monet_vd   # other layer kinds
 
 Prints one line per family (OK / FAIL and why) and a summary; exits 1 if any family fails.
 """
@@ -82,54 +83,71 @@ def tiny_base_config(family: str, default_rope: bool):
     raise ValueError(f"no tiny config for family {family!r}")
 
 
-def expertize_config(family: str, default_rope: bool):
-    """The family's expertize config: the tiny base config plus MxD at layer 0 and a (skip) transcoder at layer 1."""
-    from expertize.modeling import FAMILIES, MxdSpec, SkipTranscoderSpec, TranscoderSpec
+KIND_CHOICES = (
+    "mxd", "transcoder", "skip_transcoder", "moe_x", "mumoe_cp", "mumoe_tr", "monet_hd", "monet_vd", "routed_neurons",
+)
+
+
+def tiny_spec(kind: str, shape):
+    """A small spec of `kind` for the tiny MLP `shape` (d_model 32, hidden 37)."""
+    from expertize.modeling import spec_from_dict
+
+    d = shape.d_model
+    fields = {
+        "mxd": dict(d_hidden=shape.d_hidden, num_experts=16, k=4, encoder="glu" if shape.glu else "mlp",
+                    activation=shape.activation),
+        "transcoder": dict(num_latents=64, k=8),
+        "skip_transcoder": dict(num_latents=64, k=8),
+        "moe_x": dict(d_expert=8, num_experts=4, k=2, expert_glu=shape.glu, expert_bias=not shape.glu),
+        "mumoe_cp": dict(d_hidden=shape.d_hidden, num_experts=8, rank=16, encoder="glu" if shape.glu else "mlp"),
+        "mumoe_tr": dict(d_hidden=shape.d_hidden, num_experts=8, rank=8, encoder="glu" if shape.glu else "mlp"),
+        "monet_hd": dict(d_hidden=32, num_experts=16, k=2, num_heads=2),
+        "monet_vd": dict(d_hidden=32, num_experts=16, k=2, num_heads=2),
+        "routed_neurons": dict(num_experts=32, k=4, router_rank=8),
+    }[kind]
+    return spec_from_dict({"kind": kind, "d_in": d, "d_out": d, **fields})
+
+
+def expertize_config(family: str, default_rope: bool, kinds: tuple[str, str] | None = None):
+    """The family's expertize config: the tiny base config plus sparse layers at layers 0 and 1 (default: MxD and a
+    (skip) transcoder; `kinds` picks others)."""
+    from expertize.modeling import FAMILIES
 
     config_cls = FAMILIES[family][0]
     base = tiny_base_config(family, default_rope).to_dict()
     for key in ("model_type", "architectures", "transformers_version"):
         base.pop(key, None)
     shape = config_cls(**base).mlp_shape()
-    mxd = MxdSpec(
-        d_in=shape.d_model,
-        d_out=shape.d_model,
-        d_hidden=shape.d_hidden,
-        num_experts=16,
-        k=4,
-        encoder="glu" if shape.glu else "mlp",
-        activation=shape.activation,
-    )
-    transcoder_cls = SkipTranscoderSpec if family in SKIP_TRANSCODER_FAMILIES else TranscoderSpec
-    transcoder = transcoder_cls(d_in=shape.d_model, d_out=shape.d_model, num_latents=64, k=8)
-    return config_cls(sparse_layers={0: mxd.to_dict(), 1: transcoder.to_dict()}, **base)
+    if kinds is None:
+        kinds = ("mxd", "skip_transcoder" if family in SKIP_TRANSCODER_FAMILIES else "transcoder")
+    specs = {i: tiny_spec(kind, shape).to_dict() for i, kind in enumerate(kinds)}
+    return config_cls(sparse_layers=specs, **base)
 
 
 def randomize_decoders(model, generator) -> None:
-    """Give every sparse layer non-zero decoder weights (MxD starts with W_dec = 0, skip transcoders with W_skip = 0),
-    so that the sparse layers change the logits and a load that drops them cannot pass."""
+    """Give every sparse parameter random non-zero values (several kinds start with a zero decoder, skip
+    transcoders with W_skip = 0), so that the sparse layers change the logits and a load that drops them cannot
+    pass."""
     import torch
 
     layers = model.sparse_layers()
     assert sorted(layers) == [0, 1], f"expected sparse layers at 0 and 1, got {sorted(layers)}"
     with torch.no_grad():
         for layer in layers.values():
-            for name in ("W_dec", "b_dec", "W_skip"):
-                param = getattr(layer, name, None)
-                if param is not None:
-                    param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+            for param in layer.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
             probe = torch.randn(3, layer.spec.d_in, generator=generator)
             assert layer(probe).abs().max() > 0, f"{type(layer).__name__} outputs zeros"
 
 
-def save_family(family: str, root: Path, default_rope: bool) -> dict:
+def save_family(family: str, root: Path, default_rope: bool, kinds: tuple[str, str] | None = None) -> dict:
     """Build, save and run one family's model; returns its manifest entry."""
     import torch
     from expertize.modeling import FAMILIES
 
     generator = torch.Generator().manual_seed(SEED)
     torch.manual_seed(SEED)
-    config = expertize_config(family, default_rope)
+    config = expertize_config(family, default_rope, kinds)
     _, base_cls, causal_cls = FAMILIES[family]
     model = causal_cls(config).eval()
     randomize_decoders(model, generator)
@@ -338,6 +356,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="interpreter to load the saved models with (default: this one, a transformers-5 control run)",
     )
     parser.add_argument("--families", nargs="+", help="families to check (default: all of expertize FAMILIES)")
+    parser.add_argument(
+        "--kinds", nargs=2, choices=KIND_CHOICES, metavar="KIND",
+        help="sparse layer kinds at layers 0 and 1 (default: mxd and a (skip) transcoder)",
+    )
     parser.add_argument("--atol", type=float, default=1e-5, help="tolerance on logits and hidden states")
     parser.add_argument("--default-rope", action="store_true", help="keep the default RoPE settings")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder and print its path")
@@ -364,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="expertize_tf4_"))
     try:
         print(f"saving {len(families)} tiny models with transformers {transformers.__version__} in {root}")
-        cases = [save_family(family, root, args.default_rope) for family in families]
+        cases = [save_family(family, root, args.default_rope, tuple(args.kinds) if args.kinds else None)
+                 for family in families]
         (root / MANIFEST_FILE).write_text(json.dumps({"atol": args.atol, "cases": cases}, indent=2))
         print(f"loading them with {args.python} (HF_HUB_OFFLINE=1, fresh HF_MODULES_CACHE)")
         results, output = run_child(args.python, root, args.timeout, args.verbose)
