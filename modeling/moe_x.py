@@ -98,6 +98,9 @@ class MoeXSpec(SparseSpec):
     """λ of the load-balance loss (0.001 in the paper); the layer reports λ · loss as `aux_loss`."""
     load_balance_counting: str = "top1"
     """f_i of the balance loss counts the top-1 expert ("top1", paper) or all top-K assignments ("topk")."""
+    decoder_init: str = "zeros"
+    """'zeros': W_dec starts at 0, so the layer starts as b_dec (the trainer's mean MLP output, as mxd) and
+    distillation starts from FVU 1; 'paper': nn.Linear's default (training from scratch). Upcycling overwrites both."""
 
     def validate(self) -> None:
         super().validate()
@@ -115,6 +118,7 @@ class MoeXSpec(SparseSpec):
         _require_choice(self, "sigma_mode", ("std", "var_literal"))
         _require_choice(self, "gate_scaling", ("softmax", "none", "k_softmax"))
         _require_choice(self, "load_balance_counting", ("top1", "topk"))
+        _require_choice(self, "decoder_init", ("zeros", "paper"))
         coef = self.load_balance_coef
         if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
             raise ValueError(f"moe_x.load_balance_coef must be a finite number >= 0, got {coef!r}")
@@ -247,13 +251,17 @@ class MoeXLayer(SparseLayer):
         return self.spec.num_experts * self.spec.d_expert
 
     def reset_parameters(self) -> None:
-        """nn.Linear's default init for every expert's encoder / decoder and the switch router; zero biases (the
-        trainer sets b_dec to the mean MLP output). Upcycling overwrites these (conversion/dense_init.py)."""
+        """nn.Linear's default init for every expert's encoder and the switch router, W_dec per `decoder_init`;
+        zero biases (the trainer sets b_dec to the mean MLP output). Upcycling overwrites these
+        (conversion/dense_init.py)."""
         I, D = self.spec.d_in, self.spec.d_expert
         for w in (self.W_enc, self.W_up, self.W_router):
             if w is not None:
                 uniform_(w, linear_bound(I))
-        uniform_(self.W_dec, linear_bound(D))
+        if self.spec.decoder_init == "zeros":
+            nn.init.zeros_(self.W_dec)
+        else:
+            uniform_(self.W_dec, linear_bound(D))
         for b in (self.b_enc, self.b_up, self.b_dec):
             if b is not None:
                 nn.init.zeros_(b)

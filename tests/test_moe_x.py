@@ -344,10 +344,16 @@ def test_spec_needs_d_expert():
 
 
 def test_reset_parameters_gives_a_working_layer():
+    """Default: W_dec = 0, so the layer starts as b_dec (distillation starts at FVU 1); 'paper': nn.Linear init."""
     torch.manual_seed(0)
     layer = MoeXLayer(MoeXSpec(d_in=I, d_out=O, d_expert=D, num_experts=M, k=K, expert_bias=True))
-    assert layer.b_enc.abs().sum() == 0 and layer.b_dec.abs().sum() == 0 and layer.W_dec.abs().sum() > 0
-    assert torch.isfinite(layer(torch.randn(4, I))).all()
+    assert layer.b_enc.abs().sum() == 0 and layer.b_dec.abs().sum() == 0 and layer.W_dec.abs().sum() == 0
+    assert layer.W_enc.abs().sum() > 0
+    x = torch.randn(4, I)
+    torch.testing.assert_close(layer(x), layer.b_dec.expand(4, O))
+    paper = MoeXLayer(MoeXSpec(d_in=I, d_out=O, d_expert=D, num_experts=M, k=K, decoder_init="paper"))
+    assert paper.W_dec.abs().max() <= 1 / D**0.5 and paper.W_dec.abs().sum() > 0
+    assert torch.isfinite(paper(x)).all() and paper(x).abs().sum() > 0
 
 
 # -- save -> remote code -> same logits ----------------------------------------------------------------------------

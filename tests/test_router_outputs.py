@@ -123,9 +123,16 @@ def test_upcycle_split_init_is_exact_and_the_relu_switch_is_reported(tiny_run):
     init = json.loads((out / "metrics.json").read_text())["init"]
     assert init["method"] == "split" and abs(init["delta"]) < 1e-6
 
+    # Then distilled, and healed with LoRA on the 3-D expert encoders (PEFT target_parameters), merged on save.
     relu = {"kind": "moe_x", "num_experts": M, "k": K, "init": "split", "activation": "relu"}
-    out = upcycle(recipe_from_dict({**tree, "layer": relu, "output_dir": str(tmp_path / "relu")}), progress=False)
+    heal = {**tree["heal"], "rest": "lora", "lora_target_modules": [], "lora_target_parameters": ["mlp.W_enc"]}
+    train = {**tree["train"], "distill": True}
+    recipe = recipe_from_dict({**tree, "layer": relu, "train": train, "heal": heal, "output_dir": str(tmp_path / "relu")})
+    out = upcycle(recipe, progress=False)
     metrics = json.loads((out / "metrics.json").read_text())
     assert abs(metrics["init"]["delta"]) > 1e-5  # SiLU -> ReLU and k < M change the function (either way on a random model)
-    spec = load_expertize_model(out).config.sparse_layers["0"]
+    assert metrics["train"]["steps"] == 48 and metrics["heal"]["steps"] == 2
+    model = load_expertize_model(out)
+    spec = model.config.sparse_layers["0"]
     assert spec["activation"] == "relu" and spec["expert_glu"] and spec["gate_scaling"] == "k_softmax"
+    assert not any("lora" in key for key in model.state_dict())
