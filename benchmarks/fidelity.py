@@ -42,11 +42,10 @@ import math
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
-import yaml
+from _runs import run_upcycle
 
 MODELS = {
     # name: (model folder, corpus, document separator, layer)
@@ -130,33 +129,6 @@ def build_tree(args: argparse.Namespace, model: str, kind: str, k: int, out_dir:
         },
         "output_dir": str(out_dir),
     }
-
-
-def run_one(tree: dict) -> tuple[dict, float | None, list[str]]:
-    """Run (or reuse) one upcycle; returns (metrics, seconds or None when reused, warnings raised)."""
-    from expertize.conversion.recipe import recipe_from_dict, recipe_to_dict
-    from expertize.conversion.upcycle import RESOLVED_RECIPE, upcycle
-
-    recipe = recipe_from_dict(tree, source="benchmarks/fidelity.py")
-    out = Path(recipe.output_dir)
-    if (out / "metrics.json").exists():
-        saved = yaml.safe_load((out / RESOLVED_RECIPE).read_text(encoding="utf-8"))
-        if saved != recipe_to_dict(recipe):
-            raise SystemExit(
-                f"{out} holds a finished run of a different recipe; remove it or choose another --out"
-            )
-        return json.loads((out / "metrics.json").read_text(encoding="utf-8")), None, []
-    start = time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        upcycle(recipe, progress=False)
-    seconds = time.perf_counter() - start
-    messages = []
-    for w in caught:
-        message = f"{w.category.__name__}: {w.message}"
-        if message not in messages:
-            messages.append(message)
-    return json.loads((out / "metrics.json").read_text(encoding="utf-8")), seconds, messages
 
 
 def layer_parameters(out_dir: Path, layer: int) -> tuple[int, dict]:
@@ -289,7 +261,7 @@ def main() -> int:
             for kind in methods:
                 out_dir = out_root / model / f"{kind}-k{k}"
                 tree = build_tree(args, model, kind, k, out_dir)
-                metrics, seconds, caught = run_one(tree)
+                metrics, seconds, caught = run_upcycle(tree, "benchmarks/fidelity.py")
                 row = row_for(model, kind, k, out_dir, metrics, seconds)
                 rows.append(row)
                 if caught:

@@ -1,0 +1,34 @@
+"""Shared by the benchmarks that drive `expertize upcycle`: run a recipe tree, or reuse its finished output folder."""
+
+import json
+import time
+import warnings
+from pathlib import Path
+
+import yaml
+
+
+def run_upcycle(tree: dict, source: str) -> tuple[dict, float | None, list[str]]:
+    """Run (or reuse) one upcycle of the recipe `tree`; returns (metrics, seconds or None when reused, the distinct
+    warnings raised). A finished folder of a *different* recipe is an error, never silently reused."""
+    from expertize.conversion.recipe import recipe_from_dict, recipe_to_dict
+    from expertize.conversion.upcycle import RESOLVED_RECIPE, upcycle
+
+    recipe = recipe_from_dict(tree, source=source)
+    out = Path(recipe.output_dir)
+    if (out / "metrics.json").exists():
+        saved = yaml.safe_load((out / RESOLVED_RECIPE).read_text(encoding="utf-8"))
+        if saved != recipe_to_dict(recipe):
+            raise SystemExit(f"{out} holds a finished run of a different recipe; remove it or choose another --out")
+        return json.loads((out / "metrics.json").read_text(encoding="utf-8")), None, []
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        upcycle(recipe, progress=False)
+    seconds = time.perf_counter() - start
+    messages = []
+    for w in caught:
+        message = f"{w.category.__name__}: {w.message}"
+        if message not in messages:
+            messages.append(message)
+    return json.loads((out / "metrics.json").read_text(encoding="utf-8")), seconds, messages
