@@ -597,7 +597,8 @@ def _moe_x_fields(layer: LayerConfig, shape: MlpShape) -> dict[str, Any]:
     """MoE-X fields the recipe derives from the base MLP (layer.options still override them).
 
     Experts mirror the MLP's form (GLU experts for gated MLPs, encoder biases where the MLP has them) and its width:
-    d_expert = ceil(H / M) (the dense width split over the experts), or H for init: copy. `activation: auto` keeps
+    d_expert = ceil(H / M) (the dense width split over the experts), or H for init: copy. M is layer.num_experts, or
+    the spec's default 8 when layer.match_transcoder chooses M (then set options.d_expert to size experts yourself). `activation: auto` keeps
     the MLP's activation when the weights come from it (an exact split / copy) and is MoE-X's ReLU otherwise; the
     GELU/SiLU -> ReLU switch of an upcycled layer is explicit (activation: relu), and its cost before training is in
     metrics.json["init"].

@@ -210,7 +210,10 @@ class RoutedNeuronsLayer(SparseLayer):
 
     def neuron_activations(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """h = φ(w_idx · x + b_idx) of the selected neurons only: (T, I), (T, K) -> (T, K)."""
-        return self.act(_GatheredDot.apply(x, self.W_enc, index) + self.b_enc[index])
+        # F.embedding, not b_enc[index]: indexing's backward accumulates in parallel in a run-dependent order on CPU,
+        # so seeded runs would differ in the last bits; embedding's backward is deterministic.
+        bias = F.embedding(index, self.b_enc.unsqueeze(-1)).squeeze(-1)  # (T, K)
+        return self.act(_GatheredDot.apply(x, self.W_enc, index) + bias)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         lead = hidden_states.shape[:-1]
