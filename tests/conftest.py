@@ -137,3 +137,84 @@ def shared_data_dir() -> Path:
 
 def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj), encoding="utf-8")
+
+
+def write_corpus(path: Path, n_docs: int = 300) -> Path:
+    """A seeded corpus of `n_docs` lines of random words w0..w89 (all in the tiny tokenizer's vocabulary)."""
+    gen = torch.Generator().manual_seed(0)
+    lines = []
+    for _ in range(n_docs):
+        words = torch.randint(0, 90, (int(torch.randint(8, 40, (1,), generator=gen)),), generator=gen)
+        lines.append(" ".join(f"w{int(w)}" for w in words))
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def tiny_run(tmp_path):
+    """A tiny Llama base model + tokenizer + corpus on disk, and a recipe tree for it."""
+    base = tmp_path / "base"
+    tiny_base_model("llama").save_pretrained(base)
+    tiny_tokenizer().save_pretrained(base)
+    corpus = write_corpus(tmp_path / "corpus.txt", n_docs=1000)
+    tree = {
+        "base_model": str(base),
+        "layers": [0, 1],
+        "layer": {"kind": "mxd", "k": 4, "num_experts": 64},
+        "data": {"source": "text", "paths": [str(corpus)], "context_length": 16, "train_tokens": 12_288,
+                 "eval_tokens": 512, "eval_fraction": 0.1},
+        "train": {"lr": 3e-3, "warmup_steps": 5, "tokens_per_step": 256, "shuffle_buffer_tokens": 1024,
+                  "capture_batch_sequences": 16, "checkpoint_every": 8, "log_every": 4, "seed": 3, "device": "cpu"},
+        "eval": {"batch_sequences": 8, "generation_prompts": 4, "prompt_tokens": 3, "continuation_tokens": 5},
+        "output_dir": str(tmp_path / "run"),
+    }
+    return tmp_path, tree
+
+
+REMOTE_CHECK = """
+import json, sys, torch
+from transformers import AutoModel, AutoModelForCausalLM
+folder = sys.argv[1] if len(sys.argv) > 1 else "model"
+ref = torch.load("reference.pt")
+model, info = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, output_loading_info=True)
+assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+with torch.no_grad():
+    logits = model(ref["input_ids"]).logits
+torch.testing.assert_close(logits, ref["logits"], rtol=1e-5, atol=1e-5)
+out = model.generate(ref["input_ids"][:1, :3], max_new_tokens=4, do_sample=False)
+assert out.shape == (1, 7), out.shape
+assert out[0].tolist() == ref["greedy"], (out[0].tolist(), ref["greedy"])
+base, info = AutoModel.from_pretrained(folder, trust_remote_code=True, output_loading_info=True)
+assert type(base).__module__.startswith("transformers_modules")
+# The headless model has no LM head: that checkpoint key is the only one left over (as for native models).
+assert not info["missing_keys"] and not info["mismatched_keys"], info
+assert info["unexpected_keys"] <= {"lm_head.weight", "embed_out.weight"}, info
+with torch.no_grad():
+    hidden = base(ref["input_ids"]).last_hidden_state
+    torch.testing.assert_close(model.get_output_embeddings()(hidden), ref["logits"], rtol=1e-5, atol=1e-5)
+sparse = [type(b.mlp).__name__ for b in model.%(blocks)s]
+try:
+    AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False)
+except ValueError as err:
+    assert "trust_remote_code" in str(err), err
+else:
+    raise AssertionError("trust_remote_code=False loaded custom code")
+print(json.dumps({"sparse": sparse, "class": type(model).__name__}))
+"""
+
+
+def check_remote_roundtrip(model, tmp_path: Path, blocks: str, tokenizer=None) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Save `model` to tmp_path/model and reload it in an isolated interpreter through remote code (REMOTE_CHECK):
+    same logits and greedy tokens, no stray keys, refused without trust_remote_code. `blocks` is the attribute path
+    of the decoder blocks. Returns (the child's report, input_ids, the parent's logits)."""
+    from expertize.conversion.splice import save_model
+
+    input_ids = torch.randint(4, 99, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(input_ids).logits
+    greedy = model.generate(input_ids[:1, :3], max_new_tokens=4, do_sample=False)[0].tolist()
+    save_model(model, tmp_path / "model", tokenizer=tokenizer or tiny_tokenizer())
+    torch.save({"input_ids": input_ids, "logits": logits, "greedy": greedy}, tmp_path / "reference.pt")
+    out = run_isolated(REMOTE_CHECK % {"blocks": blocks}, tmp_path)
+    return json.loads(out.strip().splitlines()[-1]), input_ids, logits

@@ -14,7 +14,6 @@ from expertize.conversion.splice import load_expertize_model, splice
 from expertize.conversion.upcycle import upcycle
 from expertize.modeling import MxdSpec, build_sparse_layer
 from tests.conftest import D_HIDDEN, D_MODEL, tiny_base_model, tiny_tokenizer
-from tests.test_upcycle import tiny_run  # noqa: F401  (fixture)
 
 
 def _spliced(family: str):

@@ -8,12 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from expertize.conversion.splice import save_model, splice
+from expertize.conversion.splice import splice
 from expertize.modeling import MoeXLayer, MoeXSpec, build_sparse_layer, spec_from_dict
 from expertize.modeling.moe_x import ROUTER_EPS
 from expertize.modeling.sparse_base import ACTIVATIONS, SparseCode, sparse_rows_sum
-from tests.conftest import D_HIDDEN, D_MODEL, run_isolated, tiny_base_model
-from tests.test_splice_roundtrip import REMOTE_CHECK
+from tests.conftest import D_HIDDEN, D_MODEL, check_remote_roundtrip, tiny_base_model
 
 I, O, D, M, K = 6, 5, 7, 5, 2
 
@@ -372,16 +371,11 @@ def test_remote_code_roundtrip_gpt2(tmp_path, tokenizer):
         for layer in layers.values():
             layer.b_dec.normal_(0, 0.1)
     model = splice(base, layers)
-    input_ids = torch.randint(4, 99, (2, 6), generator=torch.Generator().manual_seed(0))
+    report, input_ids, logits = check_remote_roundtrip(model, tmp_path, "transformer.h", tokenizer)
     with torch.no_grad():
-        logits = model(input_ids).logits
         assert not torch.allclose(logits, base(input_ids).logits)
-    greedy = model.generate(input_ids[:1, :3], max_new_tokens=4, do_sample=False)[0].tolist()
-    save_model(model, tmp_path / "model", tokenizer=tokenizer)
     assert (tmp_path / "model" / "moe_x.py").is_file()
-    torch.save({"input_ids": input_ids, "logits": logits, "greedy": greedy}, tmp_path / "reference.pt")
-    out = run_isolated(REMOTE_CHECK % {"blocks": "transformer.h"}, tmp_path)
-    assert json.loads(out.strip().splitlines()[-1])["sparse"] == ["MoeXLayer", "MoeXLayer"]
+    assert report["sparse"] == ["MoeXLayer", "MoeXLayer"]
 
 
 # -- PEFT LoRA on the 3-D expert weights ------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from expertize.conversion.splice import load_expertize_model, save_model, splice
 from expertize.conversion.upcycle import upcycle
 from expertize.modeling import MonetHDSpec, MonetRouting, MonetVDSpec, build_sparse_layer, spec_from_dict
 from tests import reference_monet as ref
-from tests.conftest import D_MODEL, run_isolated, tiny_base_model, tiny_tokenizer
+from tests.conftest import D_MODEL, run_isolated, tiny_base_model, tiny_tokenizer, write_corpus
 
 I, O, S, R = 6, 8, 4, 3  # d_in, d_out, sub-experts per side (N = 16), heads
 N = S * S
@@ -446,16 +446,6 @@ def test_save_and_load_through_remote_code(tmp_path, tokenizer):
 # -- a distillation run through the recipe --------------------------------------------------------------------------
 
 
-def _corpus(path, n_docs: int) -> str:
-    gen = torch.Generator().manual_seed(0)
-    lines = []
-    for _ in range(n_docs):
-        words = torch.randint(0, 90, (int(torch.randint(8, 40, (1,), generator=gen)),), generator=gen)
-        lines.append(" ".join(f"w{int(w)}" for w in words))
-    path.write_text("\n".join(lines), encoding="utf-8")
-    return str(path)
-
-
 def _recipe(tmp_path, layer: dict) -> dict:
     base = tmp_path / "base"
     if not base.exists():
@@ -465,7 +455,7 @@ def _recipe(tmp_path, layer: dict) -> dict:
         "base_model": str(base),
         "layers": [0, 1],
         "layer": layer,
-        "data": {"source": "text", "paths": [_corpus(tmp_path / "corpus.txt", 600)], "context_length": 16,
+        "data": {"source": "text", "paths": [str(write_corpus(tmp_path / "corpus.txt", 600))], "context_length": 16,
                  "train_tokens": 8192, "eval_tokens": 512, "eval_fraction": 0.1},
         "train": {"lr": 3e-3, "warmup_steps": 4, "tokens_per_step": 256, "shuffle_buffer_tokens": 1024,
                   "capture_batch_sequences": 16, "checkpoint_every": 0, "log_every": 4, "seed": 3, "device": "cpu"},

@@ -8,14 +8,12 @@ import torch
 
 from expertize.conversion.param_match import match_parameter_count
 from expertize.conversion.recipe import recipe_from_dict
-from expertize.conversion.splice import save_model, splice
+from expertize.conversion.splice import splice
 from expertize.conversion.upcycle import upcycle
 from expertize.modeling import MuMoECPSpec, MuMoELayer, MuMoETRSpec, build_sparse_layer, entmax15, spec_from_dict
-from tests.conftest import D_HIDDEN, D_MODEL, run_isolated, tiny_base_model, tiny_tokenizer
+from tests.conftest import D_HIDDEN, D_MODEL, check_remote_roundtrip, tiny_base_model
 from tests.reference_mumoe import entmax15_reference, entmax15_threshold_bisect, gate_reference, materialize
 from tests.reference_mumoe import mumoe_reference
-from tests.test_splice_roundtrip import REMOTE_CHECK
-from tests.test_upcycle import _corpus
 
 I, O, H, N = 6, 5, 7, 9
 KINDS = ["mumoe_cp", "mumoe_tr"]
@@ -412,33 +410,18 @@ def test_roundtrip_through_remote_code(family, glu, blocks, tmp_path):
             layer.b_dec.normal_(0, 0.1)
         layers[index] = layer
     model = splice(tiny_base_model(family), layers)
-    input_ids = torch.randint(4, 99, (2, 6), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        logits = model(input_ids).logits
-    greedy = model.generate(input_ids[:1, :3], max_new_tokens=4, do_sample=False)[0].tolist()
-    save_model(model, tmp_path / "model", tokenizer=tiny_tokenizer())
+    report, input_ids, logits = check_remote_roundtrip(model, tmp_path, blocks)
     assert (tmp_path / "model" / "mumoe.py").is_file()
-    torch.save({"input_ids": input_ids, "logits": logits, "greedy": greedy}, tmp_path / "reference.pt")
-    out = run_isolated(REMOTE_CHECK % {"blocks": blocks}, tmp_path)
-    assert json.loads(out.strip().splitlines()[-1])["sparse"] == ["MuMoELayer", "MuMoELayer"]
+    assert report["sparse"] == ["MuMoELayer", "MuMoELayer"]
 
 
-def test_short_distillation_on_a_tiny_llama(tmp_path):
+def test_short_distillation_on_a_tiny_llama(tiny_run):
     """mumoe_tr sized by parameter matching (its rank), then trained, spliced and evaluated by the real pipeline."""
-    base = tmp_path / "base"
-    tiny_base_model("llama").save_pretrained(base)
-    tiny_tokenizer().save_pretrained(base)
-    tree = {
-        "base_model": str(base),
-        "layers": [1],
-        "layer": {"kind": "mumoe_tr", "num_experts": 8, "match_transcoder": 4},
-        "data": {"source": "text", "paths": [str(_corpus(tmp_path / "corpus.txt", n_docs=1000))],
-                 "context_length": 16, "train_tokens": 12_288, "eval_tokens": 512, "eval_fraction": 0.1},
-        "train": {"lr": 1e-3, "warmup_steps": 5, "tokens_per_step": 256, "shuffle_buffer_tokens": 1024,
-                  "capture_batch_sequences": 16, "checkpoint_every": 0, "log_every": 4, "seed": 3, "device": "cpu"},
-        "eval": {"batch_sequences": 8, "generation_prompts": 2, "prompt_tokens": 3, "continuation_tokens": 3},
-        "output_dir": str(tmp_path / "run"),
-    }
+    tmp_path, tree = tiny_run
+    tree["layers"] = [1]
+    tree["layer"] = {"kind": "mumoe_tr", "num_experts": 8, "match_transcoder": 4}
+    tree["train"].update(lr=1e-3, checkpoint_every=0)
+    tree["eval"].update(generation_prompts=2, continuation_tokens=3)
     out = upcycle(recipe_from_dict(tree), progress=False)
     config = json.loads((out / "config.json").read_text())
     spec = spec_from_dict(config["sparse_layers"]["1"])

@@ -13,7 +13,6 @@ from expertize.conversion.splice import load_expertize_model, splice
 from expertize.conversion.upcycle import upcycle
 from expertize.modeling import FAMILIES, MoeXSpec, MxdSpec, build_sparse_layer
 from tests.conftest import D_HIDDEN, D_MODEL, run_isolated, tiny_base_model
-from tests.test_upcycle import tiny_run  # noqa: F401  (fixture)
 
 M, K = 4, 2
 

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from expertize.conversion.splice import load_expertize_model, save_model, splice, splice_and_save
+from expertize.conversion.splice import load_expertize_model, splice, splice_and_save
 from expertize.modeling import MxdLayer, MxdSpec, SkipTranscoderSpec, TranscoderSpec, build_sparse_layer
-from tests.conftest import D_HIDDEN, D_MODEL, FAMILY_NAMES, run_isolated, tiny_base_config, tiny_base_model
+from tests.conftest import D_HIDDEN, D_MODEL, FAMILY_NAMES, check_remote_roundtrip, tiny_base_config, tiny_base_model
 
 GLU_FAMILIES = {"llama", "mistral", "qwen2"}
 ACTIVATION = {"gpt2": "gelu_new", "gpt_neox": "gelu"}
@@ -34,39 +34,6 @@ def trained_like_layers(family: str) -> dict:
     return layers
 
 
-REMOTE_CHECK = """
-import json, sys, torch
-from transformers import AutoModel, AutoModelForCausalLM
-folder = sys.argv[1] if len(sys.argv) > 1 else "model"
-ref = torch.load("reference.pt")
-model, info = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, output_loading_info=True)
-assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-with torch.no_grad():
-    logits = model(ref["input_ids"]).logits
-torch.testing.assert_close(logits, ref["logits"], rtol=1e-5, atol=1e-5)
-out = model.generate(ref["input_ids"][:1, :3], max_new_tokens=4, do_sample=False)
-assert out.shape == (1, 7), out.shape
-assert out[0].tolist() == ref["greedy"], (out[0].tolist(), ref["greedy"])
-base, info = AutoModel.from_pretrained(folder, trust_remote_code=True, output_loading_info=True)
-assert type(base).__module__.startswith("transformers_modules")
-# The headless model has no LM head: that checkpoint key is the only one left over (as for native models).
-assert not info["missing_keys"] and not info["mismatched_keys"], info
-assert info["unexpected_keys"] <= {"lm_head.weight", "embed_out.weight"}, info
-with torch.no_grad():
-    hidden = base(ref["input_ids"]).last_hidden_state
-    torch.testing.assert_close(model.get_output_embeddings()(hidden), ref["logits"], rtol=1e-5, atol=1e-5)
-sparse = [type(b.mlp).__name__ for b in model.%(blocks)s]
-try:
-    AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False)
-except ValueError as err:
-    assert "trust_remote_code" in str(err), err
-else:
-    raise AssertionError("trust_remote_code=False loaded custom code")
-print(json.dumps({"sparse": sparse, "class": type(model).__name__}))
-"""
-
-
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_roundtrip_through_remote_code(family, tmp_path, tokenizer):
     base = tiny_base_model(family)
@@ -84,14 +51,10 @@ def test_roundtrip_through_remote_code(family, tmp_path, tokenizer):
             assert torch.equal(spliced[f"{blocks}.{index}.mlp.{key}"], value)
             assert spliced[f"{blocks}.{index}.mlp.{key}"].data_ptr() != value.data_ptr()
 
-    input_ids = torch.randint(4, 99, (2, 6), generator=torch.Generator().manual_seed(0))
+    report, input_ids, logits = check_remote_roundtrip(model, tmp_path, blocks, tokenizer)
     with torch.no_grad():
-        logits = model(input_ids).logits
         base_logits = base(input_ids).logits
     assert not torch.allclose(logits, base_logits), "the sparse layers should change the output"
-    greedy = model.generate(input_ids[:1, :3], max_new_tokens=4, do_sample=False)[0].tolist()
-
-    save_model(model, tmp_path / "model", tokenizer=tokenizer)
     files = {p.name for p in (tmp_path / "model").iterdir()}
     assert {"model.safetensors", "config.json", "modeling_expertize.py", "configuration_expertize.py", "mxd.py",
             "transcoder.py", "sparse_base.py", "sparse_layers.py", "tokenizer.json", "generation_config.json"} <= files
@@ -99,10 +62,6 @@ def test_roundtrip_through_remote_code(family, tmp_path, tokenizer):
     config = json.loads((tmp_path / "model" / "config.json").read_text())
     assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}
     assert config["model_type"] == f"expertize_{family}"
-
-    torch.save({"input_ids": input_ids, "logits": logits, "greedy": greedy}, tmp_path / "reference.pt")
-    out = run_isolated(REMOTE_CHECK % {"blocks": blocks}, tmp_path)
-    report = json.loads(out.strip().splitlines()[-1])
     assert report["sparse"] == ["MxdLayer", "TranscoderLayer"]
 
     # In-process reload with this library's classes gives the same logits too.

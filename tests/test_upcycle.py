@@ -15,38 +15,7 @@ import yaml
 from expertize.conversion.cli import main as cli_main
 from expertize.conversion.recipe import recipe_from_dict
 from expertize.conversion.upcycle import upcycle
-from tests.conftest import run_isolated, shared_data_dir, tiny_base_model, tiny_tokenizer
-
-
-def _corpus(path: Path, n_docs: int = 300) -> Path:
-    gen = torch.Generator().manual_seed(0)
-    lines = []
-    for _ in range(n_docs):
-        words = torch.randint(0, 90, (int(torch.randint(8, 40, (1,), generator=gen)),), generator=gen)
-        lines.append(" ".join(f"w{int(w)}" for w in words))
-    path.write_text("\n".join(lines), encoding="utf-8")
-    return path
-
-
-@pytest.fixture
-def tiny_run(tmp_path):
-    """A tiny Llama base model + tokenizer + corpus on disk, and a recipe tree for it."""
-    base = tmp_path / "base"
-    tiny_base_model("llama").save_pretrained(base)
-    tiny_tokenizer().save_pretrained(base)
-    corpus = _corpus(tmp_path / "corpus.txt", n_docs=1000)
-    tree = {
-        "base_model": str(base),
-        "layers": [0, 1],
-        "layer": {"kind": "mxd", "k": 4, "num_experts": 64},
-        "data": {"source": "text", "paths": [str(corpus)], "context_length": 16, "train_tokens": 12_288,
-                 "eval_tokens": 512, "eval_fraction": 0.1},
-        "train": {"lr": 3e-3, "warmup_steps": 5, "tokens_per_step": 256, "shuffle_buffer_tokens": 1024,
-                  "capture_batch_sequences": 16, "checkpoint_every": 8, "log_every": 4, "seed": 3, "device": "cpu"},
-        "eval": {"batch_sequences": 8, "generation_prompts": 4, "prompt_tokens": 3, "continuation_tokens": 5},
-        "output_dir": str(tmp_path / "run"),
-    }
-    return tmp_path, tree
+from tests.conftest import run_isolated, shared_data_dir, write_corpus
 
 
 def test_upcycle_writes_a_publishable_folder(tiny_run):
@@ -106,7 +75,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tiny_run):
     tmp_path, tree = tiny_run
     tree["train"].update(checkpoint_every=16, log_every=8)
     tree["data"]["train_tokens"] = 256 * 240
-    tree["data"]["paths"] = [str(_corpus(tmp_path / "big.txt", n_docs=4000))]
+    tree["data"]["paths"] = [str(write_corpus(tmp_path / "big.txt", n_docs=4000))]
     tree["layer"]["options"] = {"random_k": True}  # the resumed run must also restore the RNG
 
     reference = _cli(_write_recipe(tmp_path, tree, "straight"))
