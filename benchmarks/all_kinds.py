@@ -52,6 +52,7 @@ Runtime: about 2-3 minutes on 2 idle CPU cores (measured 2m13s), plus as much ag
 """
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -66,6 +67,7 @@ from pathlib import Path
 import torch
 import yaml
 from _runs import run_upcycle
+from _timing import round_robin_times
 
 MODELS = {
     # name: (model folder, corpus, document separator, default layer)
@@ -207,13 +209,7 @@ def trained_layer(run_dir: Path, layer: int):
 @torch.no_grad()
 def time_forwards(modules: dict[str, torch.nn.Module], x: torch.Tensor, repeats: int, warmup: int = 2) -> dict:
     """Median forward seconds of each module on x, round-robin (slow drifts of a shared machine hit all alike)."""
-    times: dict[str, list[float]] = {name: [] for name in modules}
-    for r in range(warmup + repeats):
-        for name, module in modules.items():
-            t0 = time.perf_counter()
-            module(x)
-            if r >= warmup:
-                times[name].append(time.perf_counter() - t0)
+    times = round_robin_times({name: functools.partial(module, x) for name, module in modules.items()}, warmup, repeats)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 

@@ -29,13 +29,15 @@ the per-expert loop (dozens of small ops) far harder than the dense rows and mak
 """
 
 import argparse
+import functools
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from _timing import round_robin_times, saved_megabytes, train_step
 
 from expertize.modeling import MoeXLayer, MoeXSpec
 
@@ -83,29 +85,6 @@ class ExpertMatmuls(nn.Module):
         return torch.cat(parts).view(-1, self.layer.spec.k, self.layer.spec.d_out).sum(1)  # (T, O)
 
 
-def step(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, proj: torch.Tensor) -> None:
-    for p in module.parameters():
-        p.grad = None
-    x.grad = None
-    (fn(x) * proj).sum().backward()
-
-
-def saved_megabytes(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> float:
-    """MB of distinct tensors autograd saves for backward, other than parameters and the input."""
-    exclude = {p.untyped_storage().data_ptr() for p in module.parameters()} | {x.untyped_storage().data_ptr()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in exclude:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(x)
-    return sum(saved.values()) / 2**20
-
-
 def main() -> None:
     args = parse_args()
     if args.threads is not None:
@@ -131,14 +110,11 @@ def main() -> None:
         "expert mm (c)": (bare, bare, experts),
     }
 
-    times: dict[str, list[float]] = {name: [] for name in rows}
-    for r in range(args.warmup + args.repeats):
-        for name, (module, fn, _) in rows.items():  # round-robin: machine drifts hit every row alike
-            t0 = time.perf_counter()
-            step(module, fn, x, proj)
-            if r >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
-    saved = {name: saved_megabytes(module, fn, x) for name, (module, fn, _) in rows.items()}
+    times = round_robin_times(
+        {name: functools.partial(train_step, module, fn, x, proj) for name, (module, fn, _) in rows.items()},
+        args.warmup, args.repeats,
+    )
+    saved = {name: saved_megabytes(module, fn, x)[0] for name, (module, fn, _) in rows.items()}
     with torch.no_grad():
         diff = (layer(x) - all_experts(layer, x)).abs().max().item()
         load = torch.bincount(layer.route(x).top_k_index.flatten(), minlength=M).tolist()

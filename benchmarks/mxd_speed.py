@@ -33,13 +33,15 @@ Run:  python benchmarks/mxd_speed.py            (1-2 minutes on 2 idle CPU cores
 """
 
 import argparse
+import functools
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from _timing import round_robin_times, saved_megabytes, train_step
 
 from expertize.modeling import MxdLayer, MxdSpec
 
@@ -96,32 +98,6 @@ def gpt2_mlp(I: int, O: int, H: int) -> nn.Module:
     return nn.Sequential(nn.Linear(I, H), nn.GELU(approximate="tanh"), nn.Linear(H, O))
 
 
-def step(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
-    """One training step's compute: forward, then backward of the sum of the output."""
-    for p in module.parameters():
-        p.grad = None
-    x.grad = None
-    fn(x).sum().backward()
-
-
-def saved_megabytes(
-    module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
-) -> tuple[float, torch.Tensor]:
-    """MB of distinct tensors autograd saves for backward, other than parameters and the input; and the output."""
-    exclude = {p.untyped_storage().data_ptr() for p in module.parameters()} | {x.untyped_storage().data_ptr()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in exclude:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(x)
-    return sum(saved.values()) / 2**20, out.detach()
-
-
 # -- main ------------------------------------------------------------------------------------------------------------
 
 
@@ -151,14 +127,10 @@ def main() -> None:
         "matmuls (c)": (bare, bare, enc_dec + gate),
     }
 
-    # Round-robin over the rows, so that slow drifts of the machine hit every row alike.
-    times: dict[str, list[float]] = {name: [] for name in rows}
-    for r in range(args.warmup + args.repeats):
-        for name, (module, fn, _) in rows.items():
-            t0 = time.perf_counter()
-            step(module, fn, x)
-            if r >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
+    times = round_robin_times(
+        {name: functools.partial(train_step, module, fn, x) for name, (module, fn, _) in rows.items()},
+        args.warmup, args.repeats,
+    )
     saved, outputs = {}, {}
     for name, (module, fn, _) in rows.items():
         saved[name], outputs[name] = saved_megabytes(module, fn, x)

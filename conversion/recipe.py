@@ -386,11 +386,12 @@ class HealConfig:
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"heal.grad_clip: must be > 0 (or null for no clipping), got {self.grad_clip}")
         if self.rest != "lora":
-            for name in ("lora_target_parameters",):
-                if getattr(self, name):
+            for name, is_set in (
+                ("lora_target_parameters", bool(self.lora_target_parameters)),
+                ("lora_target_modules", self.lora_target_modules != "auto"),
+            ):
+                if is_set:
                     raise ValueError(f"heal.{name}: LoRA settings need heal.rest: lora (it is {self.rest!r})")
-            if self.lora_target_modules != "auto":
-                raise ValueError(f"heal.lora_target_modules: LoRA settings need heal.rest: lora (it is {self.rest!r})")
         if self.lora_target_modules != "auto" and not self.lora_target_modules and not self.lora_target_parameters:
             raise ValueError(
                 'heal.lora_target_modules: empty and no heal.lora_target_parameters; list module names or write "auto"'

@@ -57,12 +57,12 @@ def upcycle(recipe: Recipe, *, progress: bool = True) -> Path:
     layer_ids = resolve_layers(recipe, base.config.num_hidden_layers)
     spec = resolve_layer_spec(recipe.layer, shape)
     layers: dict[int, SparseLayer] = {i: build_sparse_layer(spec) for i in layer_ids}
-    init_metrics = None
+    init_metrics = eval_sequences = None
     if recipe.layer.init != "default":
         _init_from_dense(recipe, base, layers)
         if accelerator.is_main_process:
-            init_metrics = spliced_ce(base, layers, load_eval_sequences(recipe.data, tokenizer),
-                                      recipe.eval.batch_sequences)
+            eval_sequences = load_eval_sequences(recipe.data, tokenizer)  # reused by the final evaluation
+            init_metrics = spliced_ce(base, layers, eval_sequences, recipe.eval.batch_sequences)
 
     train, data = recipe.train, recipe.data
     if recipe.heal is not None and accelerator.num_processes > 1:
@@ -104,7 +104,8 @@ def upcycle(recipe: Recipe, *, progress: bool = True) -> Path:
         healed = healer.fit()
         layers = healed.sparse_layers()
 
-    eval_sequences = load_eval_sequences(data, tokenizer)
+    if eval_sequences is None:
+        eval_sequences = load_eval_sequences(data, tokenizer)
     staging = Path(tempfile.mkdtemp(prefix=".final.", dir=out))
     try:
         metrics = evaluate_sparse_layers(
