@@ -32,3 +32,20 @@ def run_upcycle(tree: dict, source: str) -> tuple[dict, float | None, list[str]]
         if message not in messages:
             messages.append(message)
     return json.loads((out / "metrics.json").read_text(encoding="utf-8")), seconds, messages
+
+
+def text_data(
+    corpus: Path, separator: str, context_length: int, train_tokens: int, eval_tokens: int, seed: int
+) -> dict:
+    """The recipe `data:` section the benchmarks use: one local text file, 10% of its documents held out."""
+    return {
+        "source": "text",
+        "paths": [str(corpus)],
+        "document_separator": separator,
+        "context_length": context_length,
+        "train_tokens": train_tokens,
+        "eval_tokens": eval_tokens,
+        "eval_fraction": 0.1,
+        "shuffle_documents": True,
+        "seed": seed,
+    }

@@ -66,7 +66,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from _runs import run_upcycle
+from _runs import run_upcycle, text_data
 from _timing import round_robin_times
 
 MODELS = {
@@ -151,17 +151,7 @@ def build_tree(args: argparse.Namespace, kind: str, settings: dict, out_dir: Pat
         "dtype": "float32",
         "layers": [args.layer],
         "layer": {"kind": kind, "match_transcoder": args.match_transcoder, **settings},
-        "data": {
-            "source": "text",
-            "paths": [str(data / corpus)],
-            "document_separator": separator,
-            "context_length": args.context_length,
-            "train_tokens": args.train_tokens,
-            "eval_tokens": args.eval_tokens,
-            "eval_fraction": 0.1,
-            "shuffle_documents": True,
-            "seed": args.seed,
-        },
+        "data": text_data(data / corpus, separator, args.context_length, args.train_tokens, args.eval_tokens, args.seed),
         "train": {
             "lr": args.lr,
             "warmup_steps": args.warmup_steps,

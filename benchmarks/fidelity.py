@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 import torch
-from _runs import run_upcycle
+from _runs import run_upcycle, text_data
 
 MODELS = {
     # name: (model folder, corpus, document separator, layer)
@@ -96,17 +96,7 @@ def build_tree(args: argparse.Namespace, model: str, kind: str, k: int, out_dir:
         "dtype": "float32",
         "layers": [layer],
         "layer": layer_cfg,
-        "data": {
-            "source": "text",
-            "paths": [str(data / corpus)],
-            "document_separator": separator,
-            "context_length": args.context_length,
-            "train_tokens": args.train_tokens,
-            "eval_tokens": args.eval_tokens,
-            "eval_fraction": 0.1,
-            "shuffle_documents": True,
-            "seed": args.seed,
-        },
+        "data": text_data(data / corpus, separator, args.context_length, args.train_tokens, args.eval_tokens, args.seed),
         "train": {
             "lr": args.lr,
             "warmup_steps": args.warmup_steps,

@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 
 import torch
-from _runs import run_upcycle
+from _runs import run_upcycle, text_data
 
 MODEL_DIR = "models/tiny-gpt2-shakespeare"
 CORPUS = "corpora/tinyshakespeare.txt"
@@ -117,17 +117,7 @@ def build_tree(args: argparse.Namespace, variant: str, layers, budget: int, out_
             "activation": activation,
             "options": options,
         },
-        "data": {
-            "source": "text",
-            "paths": [str(data / CORPUS)],
-            "document_separator": "blank_line",
-            "context_length": args.context_length,
-            "train_tokens": budget,
-            "eval_tokens": args.eval_tokens,
-            "eval_fraction": 0.1,
-            "shuffle_documents": True,
-            "seed": args.seed,
-        },
+        "data": text_data(data / CORPUS, "blank_line", args.context_length, budget, args.eval_tokens, args.seed),
         "train": {"distill": False, "seed": args.seed, "device": "cpu", "precision": "fp32"},
         "heal": {
             "tokens": budget,
