@@ -189,8 +189,8 @@ def where_it_failed(error: BaseException) -> str:
 
 def trained_layer(run_dir: Path, layer: int):
     """The trained sparse layer of a finished run, from its saved model folder."""
-    from expertize.conversion.capture import decoder_blocks
-    from expertize.conversion.splice import load_expertize_model
+    from expertize.conversion.data.capture import decoder_blocks
+    from expertize.conversion.surgery.splice import load_expertize_model
 
     model = load_expertize_model(run_dir)
     return decoder_blocks(model)[layer].mlp.eval()
@@ -269,10 +269,10 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from expertize.conversion.capture import MlpCapture, decoder_blocks
-    from expertize.conversion.data import load_eval_sequences
-    from expertize.conversion.recipe import recipe_from_dict
-    from expertize.conversion.splice import base_family, load_base_model
+    from expertize.conversion.data.capture import MlpCapture, decoder_blocks
+    from expertize.conversion.data.text import load_eval_sequences
+    from expertize.conversion.recipe.schema import recipe_from_dict
+    from expertize.conversion.surgery.splice import base_family, load_base_model
     from expertize.modeling import FAMILIES
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -373,7 +373,7 @@ def main() -> int:
 
 def size_text(spec: dict) -> str:
     """The spec's size fields, e.g. 'N=512, H=512, K=32'; the field parameter matching chose is in bold."""
-    from expertize.conversion.recipe import _match_field  # the recipe's own rule for which field matching picks
+    from expertize.conversion.recipe.schema import _match_field  # the recipe's own rule for which field matching picks
 
     kind = spec["kind"]
     names = {"num_experts": "N", "num_latents": "L", "d_hidden": "H", "d_expert": "D", "rank": "R", "k": "K",

@@ -224,7 +224,7 @@ def analyze_layer(layer, x: torch.Tensor, seq_len: int) -> dict:
 @torch.no_grad()
 def capture_inputs(model, layer_ids: list[int], sequences: torch.Tensor, batch: int = 16) -> dict[int, torch.Tensor]:
     """MLP inputs (T, I) at `layer_ids` of `model` on `sequences` (S, L)."""
-    from expertize.conversion.capture import MlpCapture
+    from expertize.conversion.data.capture import MlpCapture
 
     capture = MlpCapture(model, layer_ids)
     parts: dict[int, list[torch.Tensor]] = {i: [] for i in layer_ids}
@@ -238,9 +238,9 @@ def init_layers(tree: dict, base, layer_ids: list[int]) -> dict:
     """The variant's layers at initialization: the same spec and split partition (seed + layer) as `upcycle`, so the
     same W_enc, b_enc, W_dec; the switch router's random W_router may differ from upcycle's (only the score, which
     reads W_enc and b_enc, is reported at init)."""
-    from expertize.conversion.capture import decoder_blocks
-    from expertize.conversion.dense_init import init_moe_from_dense
-    from expertize.conversion.recipe import recipe_from_dict, resolve_layer_spec
+    from expertize.conversion.data.capture import decoder_blocks
+    from expertize.conversion.surgery.dense_init import init_moe_from_dense
+    from expertize.conversion.recipe.schema import recipe_from_dict, resolve_layer_spec
     from expertize.modeling import FAMILIES, build_sparse_layer
 
     recipe = recipe_from_dict(tree)
@@ -313,8 +313,8 @@ def main() -> int:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from expertize.conversion.data import DataConfig, load_eval_sequences
-    from expertize.conversion.splice import load_base_model, load_expertize_model
+    from expertize.conversion.data.text import DataConfig, load_eval_sequences
+    from expertize.conversion.surgery.splice import load_base_model, load_expertize_model
 
     hf_logging.disable_progress_bar()
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]

@@ -37,7 +37,7 @@ batch 1,024 tokens, cosine decay to 0 without warm-up, one pass over the trainin
 same seed and data order for both students. Learning rate: each student (per model, inputs and A) is trained with every
 rate of `--lrs` (default 3e-3, 1e-2, 3e-2) and keeps the one with the lower FVU on a validation split (8,192 held-out
 tokens of other documents / fresh Gaussian samples, disjoint from the test tokens); the paper picks the best of
-{1e-3, 3e-4, 1e-4} on its test split, but trains ~2,000x longer. FVU (`expertize.conversion.metrics.fvu`) on held-out
+{1e-3, 3e-4, 1e-4} on its test split, but trains ~2,000x longer. FVU (`expertize.conversion.evaluation.metrics.fvu`) on held-out
 test tokens: Σ‖ŷ − y‖² / Σ‖y − ȳ‖², as the paper's test MSE / output variance. Ratio = FVU(MoE) / FVU(dense): < 1
 means the MoE wins.
 
@@ -187,8 +187,8 @@ def equivalence_check(activation: str) -> str:
 
 def capture_pairs(base, tokenizer, data_cfg, layer: int, split: str, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) = (MLP input, MLP output) at `layer` on the first `tokens` tokens of the split, (tokens, d) each."""
-    from expertize.conversion.capture import MlpCapture
-    from expertize.conversion.data import batch_sequences, iter_sequences, load_eval_sequences
+    from expertize.conversion.data.capture import MlpCapture
+    from expertize.conversion.data.text import batch_sequences, iter_sequences, load_eval_sequences
 
     capture = MlpCapture(base, [layer])
     if split == "train":
@@ -231,9 +231,9 @@ def train_student(student: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: floa
                   seed: int, epochs: int = 1) -> None:
     """`epochs` passes over (x, y), each in its own seeded order: Adam, MSE, cosine decay to 0 over all steps, b_dec =
     mean output of the first batch."""
-    from expertize.conversion.metrics import LOSSES
-    from expertize.conversion.recipe import TrainConfig
-    from expertize.conversion.train import lr_lambda
+    from expertize.conversion.evaluation.metrics import LOSSES
+    from expertize.conversion.recipe.schema import TrainConfig
+    from expertize.conversion.training.engine import lr_lambda
 
     per_epoch = x.shape[0] // tokens_per_step
     steps = per_epoch * epochs
@@ -260,7 +260,7 @@ def train_student(student: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: floa
 
 @torch.no_grad()
 def held_out_fvu(student: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = 8192) -> float:
-    from expertize.conversion.metrics import fvu
+    from expertize.conversion.evaluation.metrics import fvu
 
     return float(fvu(torch.cat([student(x[i : i + chunk]) for i in range(0, x.shape[0], chunk)]), y))
 
@@ -300,9 +300,9 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from expertize.conversion.capture import decoder_blocks
-    from expertize.conversion.data import DataConfig
-    from expertize.conversion.splice import load_base_model
+    from expertize.conversion.data.capture import decoder_blocks
+    from expertize.conversion.data.text import DataConfig
+    from expertize.conversion.surgery.splice import load_base_model
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 

@@ -13,11 +13,11 @@ import argparse
 import os
 import sys
 
-from .recipe import RecipeError
+from .recipe.schema import RecipeError
 
 
 def _upcycle(args: argparse.Namespace) -> int:
-    from .recipe import load_recipe
+    from .recipe.schema import load_recipe
     from .upcycle import upcycle
 
     recipe = load_recipe(args.recipe, args.set)
@@ -41,8 +41,8 @@ def _limit(text: str) -> int | float:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .benchmark import RECORDED, evaluate_model_folder
-    from .harness import HarnessSettings, comparison_markdown
+    from .harness.folder_eval import RECORDED, evaluate_model_folder
+    from .harness.runner import HarnessSettings, comparison_markdown
 
     settings = HarnessSettings(
         tasks=args.tasks.split(","),
@@ -70,7 +70,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _tasks(args: argparse.Namespace) -> int:
-    from .offline_tasks import BUNDLED_TASKS, bundled_tasks_dir, write_tasks_from_text
+    from .harness.offline_tasks import BUNDLED_TASKS, bundled_tasks_dir, write_tasks_from_text
 
     if args.list:
         print(f"offline tasks shipped with expertize ({bundled_tasks_dir()}):")
@@ -88,7 +88,7 @@ def _tasks(args: argparse.Namespace) -> int:
 
 
 def _plot_sweep(args: argparse.Namespace) -> int:
-    from .sweep import plot_sweep
+    from .evaluation.sweep import plot_sweep
 
     path = plot_sweep(args.model_dirs, args.metric, args.output, x=args.x)
     print(f"expertize: wrote {path} and {path.with_suffix('.json')}")
@@ -96,7 +96,7 @@ def _plot_sweep(args: argparse.Namespace) -> int:
 
 
 def _push(args: argparse.Namespace) -> int:
-    from .push import push_model
+    from .publishing.push import push_model
 
     url = push_model(
         args.model_dir, args.repo_id, private=args.private, revision=args.revision, token=args.token,

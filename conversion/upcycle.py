@@ -23,17 +23,17 @@ from transformers import AutoTokenizer
 from expertize import __version__
 from expertize.modeling import FAMILIES, SparseLayer, build_sparse_layer
 
-from .activations import ActivationBatches
-from .benchmark import LmEvalPlan
-from .capture import MlpCapture, decoder_blocks
-from .data import iter_sequences, load_eval_sequences, token_budget_to_sequences
-from .dense_init import init_moe_from_dense
-from .evaluate import evaluate_sparse_layers, spliced_ce
-from .heal import Healer
-from .model_folder import refresh_model_card
-from .recipe import Recipe, recipe_to_dict, resolve_layer_spec, resolve_layers
-from .splice import base_family, load_base_model, splice
-from .train import Trainer
+from .data.activations import ActivationBatches
+from .harness.folder_eval import LmEvalPlan
+from .data.capture import MlpCapture, decoder_blocks
+from .data.text import iter_sequences, load_eval_sequences, token_budget_to_sequences
+from .surgery.dense_init import init_moe_from_dense
+from .evaluation.evaluate import evaluate_sparse_layers, spliced_ce
+from .training.heal import Healer
+from .publishing.model_folder import refresh_model_card
+from .recipe.schema import Recipe, recipe_to_dict, resolve_layer_spec, resolve_layers
+from .surgery.splice import base_family, load_base_model, splice
+from .training.engine import Trainer
 
 RESOLVED_RECIPE = "recipe.resolved.yaml"
 PACKAGES = ("torch", "transformers", "accelerate", "datasets", "safetensors", "huggingface-hub", "peft", "lm-eval")

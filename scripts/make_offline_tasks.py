@@ -1,4 +1,4 @@
-"""Regenerate the offline lm-eval tasks shipped in conversion/lm_eval_tasks/ (a development-time script).
+"""Regenerate the offline lm-eval tasks shipped in conversion/harness/lm_eval_tasks/ (a development-time script).
 
     stories:      NEW stories sampled from a TinyStories-style model (seeded; not the corpus the recipes distil on)
     shakespeare:  speeches from the last 10% (by characters) of tinyshakespeare, the part tiny-gpt2-shakespeare was
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from expertize.conversion.offline_tasks import bundled_tasks_dir, split_documents, split_units, write_task_folder
+from expertize.conversion.harness.offline_tasks import bundled_tasks_dir, split_documents, split_units, write_task_folder
 
 STORIES, STORY_SEED, STORY_TOKENS = 48, 1234, 256
 SPEECHES, SHAKESPEARE_HELD_OUT = 120, 0.9

@@ -208,7 +208,7 @@ def check_remote_roundtrip(model, tmp_path: Path, blocks: str, tokenizer=None) -
     """Save `model` to tmp_path/model and reload it in an isolated interpreter through remote code (REMOTE_CHECK):
     same logits and greedy tokens, no stray keys, refused without trust_remote_code. `blocks` is the attribute path
     of the decoder blocks. Returns (the child's report, input_ids, the parent's logits)."""
-    from expertize.conversion.splice import save_model
+    from expertize.conversion.surgery.splice import save_model
 
     input_ids = torch.randint(4, 99, (2, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -6,7 +6,7 @@ import pytest
 import yaml
 from huggingface_hub import ModelCard
 
-from expertize.conversion.card import CITATIONS, format_count, format_number, format_percent, write_model_card
+from expertize.conversion.publishing.card import CITATIONS, format_count, format_number, format_percent, write_model_card
 from expertize.modeling import MxdLayer, MxdSpec, TranscoderSpec
 from tests.conftest import D_HIDDEN, D_MODEL, run_isolated, tiny_base_model, write_json
 
@@ -190,7 +190,7 @@ def test_bad_layers(tmp_path):
 
 def test_card_snippets_run_on_a_saved_model(tmp_path, tokenizer):
     """The card's Python snippets, pointed at a saved tiny model, run without expertize installed."""
-    from expertize.conversion.splice import save_model, splice
+    from expertize.conversion.surgery.splice import save_model, splice
 
     spec = MxdSpec(d_in=D_MODEL, d_out=D_MODEL, d_hidden=D_HIDDEN, num_experts=16, k=4, activation="gelu_new")
     model = splice(tiny_base_model("gpt2"), {1: MxdLayer(spec)})
@@ -220,8 +220,8 @@ def test_lm_eval_base_stderr_and_settings_notes(tmp_path):
 def test_card_rebuilt_from_a_saved_folder(tmp_path, tokenizer):
     """refresh_model_card reads config.json (layers), metrics.json (metrics, training rows, lm-eval) and
     provenance.json (base), and is what `expertize upcycle` and `expertize eval` write."""
-    from expertize.conversion.model_folder import ModelFolderError, refresh_model_card
-    from expertize.conversion.splice import save_model, splice
+    from expertize.conversion.publishing.model_folder import ModelFolderError, refresh_model_card
+    from expertize.conversion.surgery.splice import save_model, splice
 
     spec = MxdSpec(d_in=D_MODEL, d_out=D_MODEL, d_hidden=D_HIDDEN, num_experts=16, k=4, activation="gelu_new")
     folder = save_model(splice(tiny_base_model("gpt2"), {1: MxdLayer(spec)}), tmp_path / "m", tokenizer=tokenizer)

@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from expertize.conversion.data import (
+from expertize.conversion.data.text import (
     DataConfig,
     batch_sequences,
     document_in_eval,

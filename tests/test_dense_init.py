@@ -4,8 +4,8 @@ activation switches are explicit, and misfit specs fail with clear messages."""
 import pytest
 import torch
 
-from expertize.conversion.capture import decoder_blocks
-from expertize.conversion.dense_init import (
+from expertize.conversion.data.capture import decoder_blocks
+from expertize.conversion.surgery.dense_init import (
     dense_mlp,
     init_moe_from_dense,
     moe_x_from_dense,

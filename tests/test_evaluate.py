@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from expertize.conversion.capture import MlpCapture, decoder_blocks
-from expertize.conversion.evaluate import evaluate_sparse_layers, generation_match_curve
-from expertize.conversion.metrics import (
+from expertize.conversion.data.capture import MlpCapture, decoder_blocks
+from expertize.conversion.evaluation.evaluate import evaluate_sparse_layers, generation_match_curve
+from expertize.conversion.evaluation.metrics import (
     LOSSES,
     ReconstructionStats,
     fvu,
@@ -19,7 +19,7 @@ from expertize.conversion.metrics import (
     nmse_paper,
     relative_mse,
 )
-from expertize.conversion.recipe import EvalConfig
+from expertize.conversion.recipe.schema import EvalConfig
 from expertize.modeling import SparseCode, SparseLayer, SparseSpec
 from tests.conftest import D_MODEL, VOCAB, tiny_base_model
 

@@ -10,8 +10,8 @@ import yaml
 from huggingface_hub import ModelCard
 
 from expertize.conversion.cli import main as cli_main
-from expertize.conversion.harness import HarnessSettings, resolve_tasks
-from expertize.conversion.offline_tasks import (
+from expertize.conversion.harness.runner import HarnessSettings, resolve_tasks
+from expertize.conversion.harness.offline_tasks import (
     BUNDLED_TASKS,
     bundled_tasks_dir,
     cloze_items,
@@ -19,8 +19,8 @@ from expertize.conversion.offline_tasks import (
     split_units,
     write_tasks_from_text,
 )
-from expertize.conversion.splice import save_model, splice
-from expertize.conversion.sweep import plot_sweep, sweep_points
+from expertize.conversion.surgery.splice import save_model, splice
+from expertize.conversion.evaluation.sweep import plot_sweep, sweep_points
 from expertize.modeling import MxdLayer, MxdSpec, TranscoderSpec
 from tests.conftest import D_HIDDEN, D_MODEL, run_isolated, tiny_base_model, tiny_tokenizer
 
@@ -317,7 +317,7 @@ def tiny_recipe(tmp_path):
 
 
 def test_upcycle_ends_with_an_lm_eval_table(tiny_recipe, tmp_path):
-    from expertize.conversion.recipe import recipe_from_dict
+    from expertize.conversion.recipe.schema import recipe_from_dict
     from expertize.conversion.upcycle import upcycle
 
     out = upcycle(recipe_from_dict(tiny_recipe), progress=False)
@@ -344,7 +344,7 @@ def test_upcycle_ends_with_an_lm_eval_table(tiny_recipe, tmp_path):
 
 
 def test_recipe_lm_eval_settings_are_checked(tiny_recipe, tmp_path):
-    from expertize.conversion.recipe import RecipeError, recipe_from_dict
+    from expertize.conversion.recipe.schema import RecipeError, recipe_from_dict
 
     recipe = recipe_from_dict(tiny_recipe, ["eval.lm_eval_limit=0.5", "eval.lm_eval_num_fewshot=2"])
     assert recipe.eval.lm_eval_limit == 0.5 and recipe.eval.lm_eval_num_fewshot == 2

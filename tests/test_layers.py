@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from expertize.conversion.param_match import match_parameter_count, mxd_experts_for_transcoder
+from expertize.conversion.recipe.param_match import match_parameter_count, mxd_experts_for_transcoder
 from expertize.modeling import (
     MxdLayer,
     MxdSpec,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from expertize.conversion.splice import splice
+from expertize.conversion.surgery.splice import splice
 from expertize.modeling import MoeXLayer, MoeXSpec, build_sparse_layer, spec_from_dict
 from expertize.modeling.moe_x import ROUTER_EPS
 from expertize.modeling.sparse_base import ACTIVATIONS, SparseCode, sparse_rows_sum

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from expertize.conversion.param_match import match_parameter_count
-from expertize.conversion.recipe import recipe_from_dict
-from expertize.conversion.splice import splice
+from expertize.conversion.recipe.param_match import match_parameter_count
+from expertize.conversion.recipe.schema import recipe_from_dict
+from expertize.conversion.surgery.splice import splice
 from expertize.conversion.upcycle import upcycle
 from expertize.modeling import MuMoECPSpec, MuMoELayer, MuMoETRSpec, build_sparse_layer, entmax15, spec_from_dict
 from tests.conftest import D_HIDDEN, D_MODEL, check_remote_roundtrip, tiny_base_model
@@ -376,7 +376,7 @@ def test_spec_errors_tr_and_missing_rank():
 
 
 def test_model_card_names_both_kinds_and_cites_the_paper_once(tmp_path):
-    from expertize.conversion.card import CITATIONS, write_model_card
+    from expertize.conversion.publishing.card import CITATIONS, write_model_card
 
     layers = {i: _spec(kind, d_in=32, d_out=32).to_dict() for i, kind in enumerate(KINDS)}
     path = write_model_card(

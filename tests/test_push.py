@@ -13,9 +13,9 @@ from huggingface_hub import HfApi, ModelCard, RepoUrl
 from huggingface_hub.errors import HfHubHTTPError, RevisionNotFoundError
 
 from expertize.conversion.cli import main as cli_main
-from expertize.conversion.model_folder import ModelFolderError, refresh_model_card
-from expertize.conversion.push import PushError, files_to_upload, push_model
-from expertize.conversion.splice import save_model, splice
+from expertize.conversion.publishing.model_folder import ModelFolderError, refresh_model_card
+from expertize.conversion.publishing.push import PushError, files_to_upload, push_model
+from expertize.conversion.surgery.splice import save_model, splice
 from expertize.modeling import MxdLayer, MxdSpec
 from tests.conftest import D_HIDDEN, D_MODEL, run_isolated, tiny_base_model, tiny_tokenizer
 
@@ -84,7 +84,7 @@ class FakeHub:
             mock.patch.object(HfApi, name, autospec=True, side_effect=getattr(self, name))
             for name in ("create_repo", "create_branch", "list_repo_files", "hf_hub_download", "upload_folder")
         ]
-        self._patches.append(mock.patch("expertize.conversion.push.get_token", return_value="hf_fake"))
+        self._patches.append(mock.patch("expertize.conversion.publishing.push.get_token", return_value="hf_fake"))
         for p in self._patches:
             p.start()
         return self
@@ -115,7 +115,7 @@ def test_push_uploads_a_folder_that_loads_without_expertize(model_dir, tmp_path)
     # From the "Hub" copy, a process that cannot import expertize loads the model through remote code.
     torch.manual_seed(0)
     ids = torch.randint(0, 99, (1, 7))
-    from expertize.conversion.splice import load_expertize_model
+    from expertize.conversion.surgery.splice import load_expertize_model
 
     expected = load_expertize_model(model_dir)(ids).logits[0, -1, :5].tolist()
     out = run_isolated(
@@ -170,7 +170,7 @@ def test_push_refuses_a_namespace_it_cannot_write(model_dir, tmp_path):
 
 
 def test_push_without_a_token_stops_before_the_network(model_dir, tmp_path, capsys):
-    with FakeHub(tmp_path / "hub") as hub, mock.patch("expertize.conversion.push.get_token", return_value=None):
+    with FakeHub(tmp_path / "hub") as hub, mock.patch("expertize.conversion.publishing.push.get_token", return_value=None):
         assert cli_main(["push", str(model_dir), "--repo-id", REPO]) == 2
     err = capsys.readouterr().err
     assert "expertize push: error: no Hugging Face token" in err and "hf auth login" in err and "--token" in err

@@ -8,7 +8,7 @@ import pytest
 import yaml
 from transformers import AutoConfig
 
-from expertize.conversion.recipe import (
+from expertize.conversion.recipe.schema import (
     LayerConfig,
     Recipe,
     RecipeError,
@@ -449,7 +449,7 @@ def test_unsupported_base_activation_needs_an_explicit_one():
 def test_python_construction_is_validated_too():
     with pytest.raises(ValueError, match=r"train\.lr: expected a number, got 'fast'"):
         recipe_from_dict(minimal(), ["train.lr=fast"])
-    from expertize.conversion.recipe import TrainConfig
+    from expertize.conversion.recipe.schema import TrainConfig
 
     with pytest.raises(ValueError, match=r"train\.tokens_per_step: expected an integer, got 'many'"):
         TrainConfig(tokens_per_step="many")
@@ -496,7 +496,7 @@ def test_heal_section_errors(sections, expected):
 
 def test_generic_parameter_matching_sizes_other_kinds_and_names_the_field():
     """match_transcoder works for every kind: routed neurons get N, μMoE (match_field = rank) gets the rank."""
-    from expertize.conversion.recipe import resolve_layer_spec
+    from expertize.conversion.recipe.schema import resolve_layer_spec
     from expertize.modeling import TranscoderSpec
     from expertize.modeling.configuration_expertize import MlpShape
 

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from expertize.conversion.recipe import recipe_from_dict
-from expertize.conversion.splice import splice
+from expertize.conversion.recipe.schema import recipe_from_dict
+from expertize.conversion.surgery.splice import splice
 from expertize.conversion.upcycle import upcycle
 from expertize.modeling import RoutedNeuronsLayer, RoutedNeuronsSpec, build_sparse_layer, spec_from_dict
 from expertize.modeling import routed_neurons as routed_neurons_module

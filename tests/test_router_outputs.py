@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
-from expertize.conversion.metrics import next_token_ce
-from expertize.conversion.recipe import recipe_from_dict
-from expertize.conversion.splice import load_expertize_model, splice
+from expertize.conversion.evaluation.metrics import next_token_ce
+from expertize.conversion.recipe.schema import recipe_from_dict
+from expertize.conversion.surgery.splice import load_expertize_model, splice
 from expertize.conversion.upcycle import upcycle
 from expertize.modeling import FAMILIES, MoeXSpec, MxdSpec, build_sparse_layer
 from tests.conftest import D_HIDDEN, D_MODEL, run_isolated, tiny_base_model

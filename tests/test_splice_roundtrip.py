@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from expertize.conversion.splice import load_expertize_model, splice, splice_and_save
+from expertize.conversion.surgery.splice import load_expertize_model, splice, splice_and_save
 from expertize.modeling import MxdLayer, MxdSpec, SkipTranscoderSpec, TranscoderSpec, build_sparse_layer
 from tests.conftest import D_HIDDEN, D_MODEL, FAMILY_NAMES, check_remote_roundtrip, tiny_base_config, tiny_base_model
 

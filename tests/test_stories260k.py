@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from expertize.conversion.splice import save_model, splice
+from expertize.conversion.surgery.splice import save_model, splice
 from expertize.modeling import MxdLayer, MxdSpec
 from tests.conftest import run_isolated, shared_data_dir
 

@@ -10,7 +10,7 @@ Saved model folders (`expertize eval`) and recipes (`eval.lm_eval_tasks` in `exp
 through conversion/benchmark.py.
 
 Task names are the harness's (any task it knows, e.g. hellaswag, which it downloads on first use), plus the offline
-tasks shipped in `expertize.conversion.offline_tasks.bundled_tasks_dir()`, plus tasks under `include_paths`.
+tasks shipped in `expertize.conversion.harness.offline_tasks.bundled_tasks_dir()`, plus tasks under `include_paths`.
 """
 
 import contextlib

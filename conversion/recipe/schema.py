@@ -11,7 +11,7 @@ The sections mirror the dataclasses one-to-one:
     base_model: gpt2              # Recipe
     layers: [8]
     layer: {kind: mxd, k: 32, match_transcoder: 32}   # LayerConfig
-    data: {...}                   # expertize.conversion.data.DataConfig
+    data: {...}                   # expertize.conversion.data.text.DataConfig
     train: {...}                  # TrainConfig
     eval: {...}                   # EvalConfig
     output_dir: runs/gpt2-mxd-l8
@@ -39,8 +39,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from expertize.conversion.data import DataConfig
-from expertize.conversion.param_match import match_parameter_count, mxd_experts_for_transcoder
+from expertize.conversion.data.text import DataConfig
+from expertize.conversion.recipe.param_match import match_parameter_count, mxd_experts_for_transcoder
 from expertize.modeling.configuration_expertize import MlpShape
 from expertize.modeling.sparse_base import SparseSpec, canonical_activation
 from expertize.modeling.sparse_layers import LAYER_KINDS
@@ -117,7 +117,7 @@ class LayerConfig:
     init: Literal["default", "split", "copy"] = "default"
     """Where the layer's weights start (moe_x only for split / copy): "default" (the layer's own init), "split"
     (the dense MLP's hidden neurons partitioned over the experts; with all experts on it equals the MLP) or "copy"
-    (every expert a noisy copy of the MLP). See expertize.conversion.dense_init."""
+    (every expert a noisy copy of the MLP). See expertize.conversion.surgery.dense_init."""
 
     init_clustering: Literal["random", "balanced_kmeans"] = "random"
     """split: how neurons are grouped into experts (random, or balanced k-means on their input weights)."""

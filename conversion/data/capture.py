@@ -14,7 +14,7 @@ from torch import nn
 
 from expertize.modeling import FAMILIES
 
-from .splice import base_family
+from ..surgery.splice import base_family
 
 
 class _StopForward(Exception):

@@ -17,9 +17,9 @@ from torch import nn
 
 from expertize.modeling import SparseLayer
 
-from .activations import ActivationBatches
-from .metrics import LOSSES
-from .recipe import TrainConfig
+from ..data.activations import ActivationBatches
+from ..evaluation.metrics import LOSSES
+from ..recipe.schema import TrainConfig
 
 DEAD_WINDOW_TOKENS = 1_000_000
 """A unit counts as dead during training if it has not fired in this many tokens (MxD paper App. C.1 uses ~4M)."""

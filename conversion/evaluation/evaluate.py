@@ -23,9 +23,9 @@ from torch import nn
 
 from expertize.modeling import SparseLayer
 
-from .capture import MlpCapture, replaced_mlps
+from ..data.capture import MlpCapture, replaced_mlps
 from .metrics import ReconstructionStats, kl_base_to_other, next_token_ce
-from .recipe import EvalConfig
+from ..recipe.schema import EvalConfig
 
 __all__ = ["evaluate_sparse_layers", "generation_match_curve", "plot_firing_frequency", "plot_match_curve", "spliced_ce"]
 

@@ -34,7 +34,7 @@ __all__ = [
 
 EXPERTIZE_PREFIX = "expertize_"
 PRODUCED_BY = (
-    "point at a folder written by `expertize upcycle` (its output_dir) or by expertize.conversion.splice.save_model"
+    "point at a folder written by `expertize upcycle` (its output_dir) or by expertize.conversion.surgery.splice.save_model"
 )
 
 

@@ -21,10 +21,10 @@ from torch import nn
 
 from expertize.modeling import SparseLayer
 
-from .data import DataConfig, batch_sequences, iter_sequences, token_budget_to_sequences
-from .metrics import kl_base_to_other, next_token_ce
-from .recipe import HealConfig
-from .train import lr_lambda, truncate_log
+from ..data.text import DataConfig, batch_sequences, iter_sequences, token_budget_to_sequences
+from ..evaluation.metrics import kl_base_to_other, next_token_ce
+from ..recipe.schema import HealConfig
+from .engine import lr_lambda, truncate_log
 
 # LoRA's default targets: the attention projections of each family (suffix names, as PEFT matches them). The
 # attention names are distinct from the MLP's (GPT-2's MLP also has a `c_proj`, hence the `attn.` prefix).

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .harness import HarnessError, HarnessSettings, Log, compare_on_tasks, resolve_tasks
+from .runner import HarnessError, HarnessSettings, Log, compare_on_tasks, resolve_tasks
 
 __all__ = ["RECORDED", "LmEvalPlan", "evaluate_model_folder", "lm_eval_record", "resolve_device"]
 
@@ -59,7 +59,7 @@ def resolve_device(device: str) -> str:
 def _load_base(base: str, dtype, device: str):
     from transformers import AutoTokenizer
 
-    from .splice import load_base_model
+    from ..surgery.splice import load_base_model
 
     path = Path(base)
     if not path.exists() and (path.is_absolute() or base.startswith(".") or base.count("/") > 1):
@@ -101,8 +101,8 @@ def evaluate_model_folder(
     import torch
     from transformers import AutoTokenizer
 
-    from .model_folder import check_model_folder, read_metrics, recorded_base_model, refresh_model_card, write_metrics
-    from .splice import load_expertize_model
+    from ..publishing.model_folder import check_model_folder, read_metrics, recorded_base_model, refresh_model_card, write_metrics
+    from ..surgery.splice import load_expertize_model
 
     log = log or (lambda message: None)
     model_dir = Path(model_dir)

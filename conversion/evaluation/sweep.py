@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from .model_folder import check_model_folder, read_metrics
+from ..publishing.model_folder import check_model_folder, read_metrics
 
 __all__ = ["SweepPoint", "plot_sweep", "read_metric", "sweep_points"]
 
