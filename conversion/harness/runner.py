@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .offline_tasks import bundled_tasks_dir
+from ..errors import ExpertizeError
 
 __all__ = [
     "HarnessError",
@@ -41,7 +42,7 @@ __all__ = [
 Log = Callable[[str], None]
 
 
-class HarnessError(ValueError):
+class HarnessError(ExpertizeError, ValueError):
     """Bad lm-eval input (unknown task, missing include path, ...); the message names it and the fix."""
 
 

@@ -20,6 +20,7 @@ import yaml
 from huggingface_hub import ModelCard
 
 from .card import render_model_card, write_model_card
+from ..errors import ExpertizeError
 
 __all__ = [
     "ModelFolderError",
@@ -38,7 +39,7 @@ PRODUCED_BY = (
 )
 
 
-class ModelFolderError(ValueError):
+class ModelFolderError(ExpertizeError, ValueError):
     """A folder is not a (complete) saved expertize model; the message names what is missing and the fix."""
 
 

@@ -26,6 +26,7 @@ from huggingface_hub import HfApi, get_token
 from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
 from .model_folder import ModelFolderError, check_model_folder, render_card_from_folder
+from ..errors import ExpertizeError
 
 __all__ = ["EXCLUDED", "PushError", "files_to_upload", "push_model"]
 
@@ -34,7 +35,7 @@ EXCLUDED = ("checkpoint/*", ".*", "*/.*", "__pycache__/*", "*/__pycache__/*", "*
 SAMPLES = "*samples_*.jsonl"
 
 
-class PushError(ValueError):
+class PushError(ExpertizeError, ValueError):
     """The push cannot go ahead (no token, name clash, ...); the message says why and what to do."""
 
 

@@ -45,6 +45,7 @@ from expertize.modeling.configuration_expertize import MlpShape
 from expertize.modeling.sparse_base import SparseSpec, canonical_activation
 from expertize.modeling.sparse_layers import LAYER_KINDS
 from expertize.modeling.transcoder import TranscoderSpec
+from ..errors import ExpertizeError
 
 __all__ = [
     "EvalConfig",
@@ -62,7 +63,7 @@ __all__ = [
 ]
 
 
-class RecipeError(ValueError):
+class RecipeError(ExpertizeError, ValueError):
     """A recipe (file, override or field value) is invalid; the message names the key, the value and the fix."""
 
 
