@@ -271,7 +271,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     from expertize.conversion.data.capture import MlpCapture, decoder_blocks
     from expertize.conversion.data.text import load_eval_sequences
-    from expertize.conversion.recipe.schema import recipe_from_dict
+    from expertize.conversion.recipe import recipe_from_dict
     from expertize.conversion.surgery.splice import base_family, load_base_model
     from expertize.modeling import FAMILIES
     from transformers import AutoTokenizer
@@ -373,12 +373,12 @@ def main() -> int:
 
 def size_text(spec: dict) -> str:
     """The spec's size fields, e.g. 'N=512, H=512, K=32'; the field parameter matching chose is in bold."""
-    from expertize.conversion.recipe.schema import _match_field  # the recipe's own rule for which field matching picks
+    from expertize.modeling import LAYER_KINDS  # the spec class says which field parameter matching picks
 
     kind = spec["kind"]
     names = {"num_experts": "N", "num_latents": "L", "d_hidden": "H", "d_expert": "D", "rank": "R", "k": "K",
              "num_shared": "S", "router_rank": "r", "num_heads": "heads", "rank_1": "R1", "rank_2": "R2"}
-    matched = _match_field(kind)
+    matched = LAYER_KINDS[kind][0].size_field()
     parts = []
     for field, short in names.items():
         if field in spec:

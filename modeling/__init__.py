@@ -8,7 +8,7 @@ from .configuration_expertize import (
     ExpertizeQwen2Config,
     MlpShape,
 )
-from .modeling_expertize import FAMILIES, ExpertizeModelMixin
+from .modeling_expertize import FAMILIES, ExpertizeModelMixin, Family
 from .moe_x import MoeXLayer, MoeXRouting, MoeXSpec
 from .monet import (
     MonetHDLayer,
@@ -35,6 +35,7 @@ __all__ = [
     "ExpertizeMistralConfig",
     "ExpertizeModelMixin",
     "ExpertizeQwen2Config",
+    "Family",
     "MlpShape",
     "MoeXLayer",
     "MoeXRouting",

@@ -7,6 +7,7 @@ Part of the Hub bundle (`save_pretrained` copies this file and its single-dot im
 
 import contextlib
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -304,13 +305,34 @@ class ExpertizeQwen2ForCausalLM(ExpertizeCausalLMMixin, Qwen2ForCausalLM):
         self._adopt_base_model()
 
 
-FAMILIES: dict[str, tuple[type, type, type]] = {
-    # base model_type: (config, base model, causal LM)
-    "gpt2": (ExpertizeGPT2Config, ExpertizeGPT2Model, ExpertizeGPT2ForCausalLM),
-    "gpt_neox": (ExpertizeGPTNeoXConfig, ExpertizeGPTNeoXModel, ExpertizeGPTNeoXForCausalLM),
-    "llama": (ExpertizeLlamaConfig, ExpertizeLlamaModel, ExpertizeLlamaForCausalLM),
-    "mistral": (ExpertizeMistralConfig, ExpertizeMistralModel, ExpertizeMistralForCausalLM),
-    "qwen2": (ExpertizeQwen2Config, ExpertizeQwen2Model, ExpertizeQwen2ForCausalLM),
+class Family(NamedTuple):
+    """One supported model family: the expertize classes that wrap its native transformers classes.
+
+    A new family adds its config class (configuration_expertize.py), its two model classes above and one row of
+    `FAMILIES`; the conversion side adds its LoRA defaults in expertize.conversion.surgery.families.
+    """
+
+    config_class: type
+    """The expertize config (native config + `sparse_layers`), e.g. ExpertizeGPT2Config."""
+    base_model_class: type
+    """The headless model (AutoModel), e.g. ExpertizeGPT2Model."""
+    causal_lm_class: type
+    """The causal LM (AutoModelForCausalLM), e.g. ExpertizeGPT2ForCausalLM."""
+
+    @property
+    def blocks_path(self) -> str:
+        """Attribute path from the causal LM (base or expertize) to its `nn.ModuleList` of decoder blocks, e.g.
+        "transformer.h" for GPT-2: `model.get_submodule(family.blocks_path)[i].mlp` is decoder layer i's MLP."""
+        return self.causal_lm_class._blocks_path
+
+
+# Keyed by the base model_type (the expertize model_type is "expertize_" + it).
+FAMILIES: dict[str, Family] = {
+    "gpt2": Family(ExpertizeGPT2Config, ExpertizeGPT2Model, ExpertizeGPT2ForCausalLM),
+    "gpt_neox": Family(ExpertizeGPTNeoXConfig, ExpertizeGPTNeoXModel, ExpertizeGPTNeoXForCausalLM),
+    "llama": Family(ExpertizeLlamaConfig, ExpertizeLlamaModel, ExpertizeLlamaForCausalLM),
+    "mistral": Family(ExpertizeMistralConfig, ExpertizeMistralModel, ExpertizeMistralForCausalLM),
+    "qwen2": Family(ExpertizeQwen2Config, ExpertizeQwen2Model, ExpertizeQwen2ForCausalLM),
 }
 
 for _config_cls, _base_cls, _causal_cls in FAMILIES.values():

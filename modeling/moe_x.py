@@ -46,7 +46,7 @@ to gathering the listed units' decoder columns (`decoder_rows`, a copy of W_dec)
 import dataclasses
 import math
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -60,6 +60,7 @@ from .sparse_base import (
     _require_bool,
     _require_choice,
     _require_int,
+    arxiv_bibtex,
     canonical_activation,
     linear_bound,
     sparse_rows_sum,
@@ -73,6 +74,16 @@ ROUTER_EPS = 1e-6
 @dataclasses.dataclass
 class MoeXSpec(SparseSpec):
     kind = "moe_x"
+    title: ClassVar[str] = "MoE-X"
+    init_modes: ClassVar[tuple[str, ...]] = ("default", "split", "copy")
+    citation: ClassVar[str] = arxiv_bibtex(
+        "yang2025moex",
+        title="Mixture of Experts Made Intrinsically Interpretable",
+        authors=["Yang, Xingyi", "Venhoff, Constantin", "Khakzar, Ashkan", "de Witt, Christian Schroeder",
+                 "Dokania, Puneet K.", "Bibi, Adel", "Torr, Philip"],
+        year=2025,
+        arxiv_id="2503.07639",
+    )
     d_expert: int
     """D: hidden width of each expert (the base MLP's width for copy-upcycling, width / M for split-upcycling)."""
     num_experts: int = 8
@@ -101,6 +112,23 @@ class MoeXSpec(SparseSpec):
     decoder_init: str = "zeros"
     """'zeros': W_dec starts at 0, so the layer starts as b_dec (the trainer's mean MLP output, as mxd) and
     distillation starts from FVU 1; 'paper': nn.Linear's default (training from scratch). Upcycling overwrites both."""
+
+    @classmethod
+    def mlp_defaults(cls, shape, *, init: str = "default", num_units: int | None = None) -> dict:
+        """Experts mirror the dense MLP's form (GLU experts for gated MLPs, encoder biases where the MLP has them) and
+        its width: d_expert = ceil(H / M) (the dense width split over the experts; M is `num_units`, or the default 8
+        when parameter matching chooses M), or H for init "copy". The activation is the MLP's when the weights come
+        from it (an exact split / copy) and MoE-X's ReLU otherwise; the GELU/SiLU -> ReLU switch of an upcycled layer
+        is explicit (activation: relu)."""
+        num_experts = num_units if num_units is not None else cls.__dataclass_fields__["num_experts"].default
+        return {
+            "d_expert": shape.d_hidden if init == "copy" else math.ceil(shape.d_hidden / num_experts),
+            "expert_glu": shape.glu,
+            "expert_bias": not shape.glu,  # GPT-2 / Pythia MLPs have biases, Llama-like gated ones do not
+            # split with k < M: K · softmax keeps the experts' scale while the router still gets a gradient.
+            "gate_scaling": "k_softmax" if init == "split" else "softmax",
+            "activation": "relu" if init == "default" else shape.activation,
+        }
 
     def validate(self) -> None:
         super().validate()
@@ -232,6 +260,12 @@ class MoeXLayer(SparseLayer):
 
     spec: MoeXSpec
     is_transposed = False  # peft ParamWrapper: the 3-D expert weights are (experts, out, in)
+
+    supports_auxk = False
+    """No AuxK (conversion/training/auxk.py): the code's units are the experts' hidden units, and a selected expert
+    computes all of them, so a unit that never fires is off by its own ReLU, not beaten in a top-k; AuxK's remedy
+    (let the best-ranked losers model the residual) has no losers to rank. The routed choice is over M (8 in the
+    paper) experts, which the spec's load-balance loss already keeps in use."""
 
     def __init__(self, spec: MoeXSpec) -> None:
         super().__init__(spec)

@@ -65,6 +65,7 @@ from .sparse_base import (
     SparseSpec,
     _require_choice,
     _require_int,
+    arxiv_bibtex,
     canonical_activation,
     linear_bound,
     uniform_,
@@ -77,6 +78,14 @@ UNIFORMITY_EPS = 1e-6
 @dataclasses.dataclass
 class MonetSpec(SparseSpec):
     """Fields shared by `monet_hd` and `monet_vd` (see the module docstring)."""
+
+    citation: ClassVar[str] = arxiv_bibtex(
+        "park2025monet",
+        title="Monet: Mixture of Monosemantic Experts for Transformers",
+        authors=["Park, Jungwoo", "Ahn, Young Jin", "Kim, Kee-Eung", "Kang, Jaewoo"],
+        year=2025,
+        arxiv_id="2412.04139",
+    )
 
     match_field: ClassVar[str] = "d_hidden"
     """Parameter matching varies the hidden width: num_parameters() is linear in it, while num_experts only moves
@@ -185,11 +194,13 @@ class MonetSpec(SparseSpec):
 @dataclasses.dataclass
 class MonetHDSpec(MonetSpec):
     kind = "monet_hd"
+    title: ClassVar[str] = "Monet with horizontal expert decomposition (Monet-HD)"
 
 
 @dataclasses.dataclass
 class MonetVDSpec(MonetSpec):
     kind = "monet_vd"
+    title: ClassVar[str] = "Monet with vertical expert decomposition (Monet-VD)"
 
     @property
     def hidden_step(self) -> int:
@@ -221,6 +232,11 @@ class MonetLayer(SparseLayer):
     """Router, sparse code and forward shared by both decompositions; subclasses hold the sub-experts."""
 
     spec: MonetSpec
+
+    supports_auxk = False
+    """No AuxK (conversion/training/auxk.py): a product expert (i, j) owns no parameters of its own (it is built from
+    sub-experts i and j, which serve every other pair too), so there are no dead units' rows for an auxiliary loss
+    to train without moving live experts; the sub-experts are kept in use by the uniformity loss (Eq. 16)."""
 
     def __init__(self, spec: MonetSpec) -> None:
         super().__init__(spec)

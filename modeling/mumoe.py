@@ -61,6 +61,7 @@ from .sparse_base import (
     _require_bool,
     _require_choice,
     _require_int,
+    arxiv_bibtex,
     canonical_activation,
     linear_bound,
     uniform_,
@@ -119,6 +120,15 @@ def entmax15(logits: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass
 class MuMoESpec(SparseSpec):
     """Fields shared by `mumoe_cp` and `mumoe_tr` (this base class is not a registered kind)."""
+
+    citation: ClassVar[str] = arxiv_bibtex(
+        "oldfield2024mumoe",
+        title="Multilinear Mixture of Experts: Scalable Expert Specialization through Factorization",
+        authors=["Oldfield, James", "Georgopoulos, Markos", "Chrysos, Grigorios G.", "Tzelepis, Christos",
+                 "Panagakis, Yannis", "Nicolaou, Mihalis A.", "Deng, Jiankang", "Patras, Ioannis"],
+        year=2024,
+        arxiv_id="2402.12550",
+    )
 
     match_field: ClassVar[str] = "rank"
     """Parameter matching (recipe `layer.match_transcoder`) picks the largest rank within the budget."""
@@ -208,6 +218,7 @@ class MuMoESpec(SparseSpec):
 @dataclasses.dataclass
 class MuMoECPSpec(MuMoESpec):
     kind = "mumoe_cp"
+    title: ClassVar[str] = "CP multilinear mixture of experts (CPμMoE)"
 
     def map_parameters(self, d_in: int, d_out: int, bias: bool) -> int:
         R = self.rank
@@ -220,6 +231,7 @@ class MuMoECPSpec(MuMoESpec):
 @dataclasses.dataclass
 class MuMoETRSpec(MuMoESpec):
     kind = "mumoe_tr"
+    title: ClassVar[str] = "tensor-ring multilinear mixture of experts (TRμMoE)"
     rank_1: int = 4
     """R1: ring rank between the output and expert cores (R1 = 1 gives a tensor train)."""
     rank_2: int = 4

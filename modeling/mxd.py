@@ -15,6 +15,7 @@ densified and the N×H×O expert tensor is never materialized.
 """
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -29,16 +30,29 @@ from .sparse_base import (
     _require_bool,
     _require_choice,
     _require_int,
+    arxiv_bibtex,
     canonical_activation,
     linear_bound,
     sparse_rows_sum,
     uniform_,
 )
+from .transcoder import dead_relu_topk
 
 
 @dataclasses.dataclass
 class MxdSpec(SparseSpec):
     kind = "mxd"
+    title: ClassVar[str] = "Mixture of Decoders (MxD)"
+    match_conventions: ClassVar[tuple[str, ...]] = ("exact", "paper")
+    citation: ClassVar[str] = arxiv_bibtex(
+        "oldfield2025mxd",
+        title="Towards Interpretability Without Sacrifice: "
+        "Faithful Dense Layer Decomposition with Mixture of Decoders",
+        authors=["Oldfield, James", "Im, Shawn", "Li, Yixuan", "Nicolaou, Mihalis A.", "Patras, Ioannis",
+                 "Chrysos, Grigorios G."],
+        year=2025,
+        arxiv_id="2505.21364",
+    )
     d_hidden: int
     """H: width of the dense hidden code z (the base MLP's width, by default)."""
     num_experts: int
@@ -76,6 +90,16 @@ class MxdSpec(SparseSpec):
     def glu(self) -> bool:
         return self.encoder == "glu"
 
+    @classmethod
+    def matched_size(cls, fields: dict, num_latents: int, convention: str) -> int | None:
+        """"paper": N of the MxD paper's Table 2 (N = 21,490 for GPT-2). For MLP encoders its reference code leaves
+        the encoder biases out on both sides and rounds, N = round((L - H)(I + O) / (I + O + 1)); for GLU encoders
+        it counts every bias and floors, which is the exact search (None)."""
+        if convention != "paper" or fields.get("encoder", "mlp") != "mlp":
+            return None
+        I, O, H = fields["d_in"], fields["d_out"], fields["d_hidden"]
+        return round((num_latents - H) * (I + O) / (I + O + 1))
+
     def num_parameters(self) -> int:
         I, O, H, N = self.d_in, self.d_out, self.d_hidden, self.num_experts
         n_enc = 2 if self.glu else 1
@@ -97,6 +121,9 @@ class MxdLayer(SparseLayer):
     """MxD as a drop-in MLP replacement; see the module docstring for the equations."""
 
     spec: MxdSpec
+
+    supports_auxk = True
+    """Dead experts (gate units) can model the residual error (`auxk_reconstruction`; conversion/training/auxk.py)."""
 
     def __init__(self, spec: MxdSpec) -> None:
         super().__init__(spec)
@@ -175,6 +202,20 @@ class MxdLayer(SparseLayer):
         mix = sparse_rows_sum(code, self.W_experts)  # Cᵀa: (T, O)
         out = mix * (self.hidden(x) @ self.W_dec) + self.b_dec  # (T, O)
         return out.view(*lead, -1)
+
+    def auxk_reconstruction(self, x: torch.Tensor, dead_mask: torch.Tensor, k_aux: int) -> torch.Tensor:
+        """AuxK's ê for MxD: (Cᵀa_aux) * (Dᵀz) with a_aux = TopK_aux(ReLU(Gx + b_G)) over the dead experts, i.e. the
+        dead experts' rows of C under the same dense modulation; no b_dec. (..., I), (N,) bool -> (..., O).
+        Gradients reach only the selected dead experts' rows of W_gate, b_gate and W_experts: Dᵀz is detached, so
+        the shared dense path (W_enc, W_glu, W_dec) is trained by the main loss alone (as an SAE's AuxK touches only
+        dead latents' parameters). Random K̂ and interventions do not apply here."""
+        lead = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1])  # (T, I)
+        values, index = dead_relu_topk(x, self.W_gate, self.b_gate, dead_mask, k_aux)  # (T, k_aux) each
+        mix = sparse_rows_sum(SparseCode(index, values), self.W_experts)  # Cᵀa_aux: (T, O)
+        with torch.no_grad():
+            modulation = self.hidden(x) @ self.W_dec  # Dᵀz: (T, O)
+        return (mix * modulation).view(*lead, -1)
 
     # -- unit-norm experts (reference code's `norm_dec`) ----------------------------------------------------------
 

@@ -23,6 +23,7 @@ Init: the reference code's for the neurons' inputs and the router; the output ro
 """
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -35,6 +36,7 @@ from .sparse_base import (
     SparseSpec,
     _require_choice,
     _require_int,
+    arxiv_bibtex,
     canonical_activation,
     linear_bound,
     sparse_rows_sum,
@@ -82,6 +84,14 @@ class _GatheredDot(torch.autograd.Function):
 @dataclasses.dataclass
 class RoutedNeuronsSpec(SparseSpec):
     kind = "routed_neurons"
+    title: ClassVar[str] = "routed single-neuron experts (secret MoE)"
+    citation: ClassVar[str] = arxiv_bibtex(
+        "boixadsera2025secret",
+        title="Secret mixtures of experts inside your LLM",
+        authors=["Boix-Adsera, Enric"],
+        year=2025,
+        arxiv_id="2512.18452",
+    )
     num_experts: int
     """N (the paper's m): single-neuron routed experts (the paper uses 10k-100k)."""
     k: int = 32
@@ -144,6 +154,9 @@ class RoutedNeuronsLayer(SparseLayer):
     """Top-K routed single-neuron experts plus shared neurons; see the module docstring for the equations."""
 
     spec: RoutedNeuronsSpec
+
+    supports_auxk = True
+    """Dead routed neurons can model the residual error (`auxk_reconstruction`; conversion/training/auxk.py)."""
 
     def __init__(self, spec: RoutedNeuronsSpec) -> None:
         super().__init__(spec)
@@ -224,3 +237,30 @@ class RoutedNeuronsLayer(SparseLayer):
         if self.W_shared_enc is not None:
             out = out + self.act(F.linear(x, self.W_shared_enc, self.b_shared_enc)) @ self.W_shared_dec  # (T, O)
         return (out + self.b_dec).view(*lead, -1)
+
+    def auxk_reconstruction(self, x: torch.Tensor, dead_mask: torch.Tensor, k_aux: int) -> torch.Tensor:
+        """AuxK's ê for routed neurons: Σ_a g_a h_a u_a over the k_aux dead neurons with the highest router scores;
+        no shared neurons, no b_dec. (..., I), (N,) bool -> (..., O).
+
+        g_a is the gate the dead neuron would get if it joined the token's selection: a softmax over the K selected
+        scores (detached) and the k_aux dead ones, keeping the dead entries. A router ranks by score, not by the
+        size of an activation, so a dead neuron comes back only when its score beats the live ones; with the live
+        scores in the denominator the auxiliary gradient raises a dead score in absolute terms wherever its neuron
+        explains the residual (a softmax over the dead scores alone could only reorder them among themselves).
+        Gradients reach only the selected dead neurons' rows of W_gate, b_gate, W_enc, b_enc and W_dec: the low-rank
+        projection W_gate_proj is shared by every neuron, so its output is detached here."""
+        lead = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1])  # (T, I)
+        k_aux = min(int(k_aux), self.spec.num_experts)
+        with torch.no_grad():
+            routed_x = F.linear(x, self.W_gate_proj) if self.W_gate_proj is not None else x  # (T, r) or (T, I)
+            logits = F.linear(routed_x, self.W_gate, self.b_gate)  # (T, N)
+            live = logits.topk(self.spec.k, dim=-1, sorted=False).values  # (T, K): the forward's selection
+            index = logits.masked_fill(~dead_mask, float("-inf")).topk(k_aux, dim=-1, sorted=False).indices
+        # Scores of the selected dead neurons from their rows only (as `neuron_activations`): (T, k_aux)
+        bias = F.embedding(index, self.b_gate.unsqueeze(-1)).squeeze(-1)
+        dead = _GatheredDot.apply(routed_x, self.W_gate, index) + bias
+        dead = dead.masked_fill(~dead_mask[index], float("-inf"))  # live fillers (fewer than k_aux dead) get gate 0
+        gates = torch.cat([live.to(dead.dtype), dead], dim=-1).softmax(dim=-1)[:, live.shape[1] :]  # (T, k_aux)
+        h = self.neuron_activations(x, index)  # (T, k_aux)
+        return sparse_rows_sum(SparseCode(index, gates * h), self.W_dec).view(*lead, -1)  # (..., O)

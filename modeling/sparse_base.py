@@ -74,6 +74,21 @@ def _require_choice(spec: "SparseSpec", name: str, choices: Iterable[str]) -> No
         raise ValueError(f"{spec.kind}.{name} must be one of {sorted(choices)}, got {value!r}")
 
 
+def arxiv_bibtex(key: str, *, title: str, authors: list[str], year: int, arxiv_id: str) -> str:
+    """BibTeX @article entry of an arXiv paper (the `citation` of a spec class)."""
+    fields = {
+        "title": title,
+        "author": " and ".join(authors),
+        "journal": f"arXiv preprint arXiv:{arxiv_id}",
+        "year": year,
+        "eprint": arxiv_id,
+        "archivePrefix": "arXiv",
+        "url": f"https://arxiv.org/abs/{arxiv_id}",
+    }
+    body = ",\n".join(f"  {name:<13} = {{{value}}}" for name, value in fields.items())
+    return f"@article{{{key},\n{body}\n}}"
+
+
 @dataclasses.dataclass
 class SparseSpec:
     """Hyperparameters of one sparse layer. Subclasses add fields and set `kind`.
@@ -83,6 +98,28 @@ class SparseSpec:
     """
 
     kind: ClassVar[str] = ""
+
+    # -- Kind facts -------------------------------------------------------------------------------------------------
+    # What the recipe, the model card and the docs know about a kind, declared once on its spec class: a new kind
+    # sets these in its own file and registers itself in `sparse_layers.LAYER_KINDS`; no other file names it.
+
+    title: ClassVar[str] = ""
+    """The method's name in prose, e.g. "Mixture of Decoders (MxD)" (model card)."""
+    unit_name: ClassVar[str] = "expert"
+    """What the sparse code indexes: "expert" or "latent" (model card: "K of N experts active")."""
+    units_field: ClassVar[str] = "num_experts"
+    """The field counting the units (N): "num_experts" or "num_latents"."""
+    match_field: ClassVar[str | None] = None
+    """The field parameter matching (recipe `layer.match_transcoder`) chooses; None: `units_field`."""
+    match_conventions: ClassVar[tuple[str, ...]] = ("exact",)
+    """Parameter-matching conventions (recipe `layer.match_convention`). "exact": the largest `match_field` within
+    the transcoder's parameter count; others are computed by `matched_size`."""
+    init_modes: ClassVar[tuple[str, ...]] = ("default",)
+    """Where the weights can start (recipe `layer.init`): "default" (`reset_parameters`), or modes built from the
+    dense MLP ("split", "copy") that the conversion package implements for this kind."""
+    citation: ClassVar[str] = ""
+    """BibTeX of the paper behind the kind (cited by every model card that uses it)."""
+
     d_in: int
     d_out: int
 
@@ -114,6 +151,34 @@ class SparseSpec:
         if missing:
             raise ValueError(f"sparse layer kind {cls.kind!r} needs field(s) {missing}")
         return cls(**data)
+
+    @classmethod
+    def size_field(cls) -> str:
+        """The field parameter matching chooses (`match_field`, else `units_field`)."""
+        return cls.match_field or cls.units_field
+
+    @classmethod
+    def mlp_defaults(cls, shape: Any, *, init: str = "default", num_units: int | None = None) -> dict[str, Any]:
+        """Field values derived from the dense MLP this layer replaces (the recipe's "auto" values; explicit recipe
+        settings override them).
+
+        `shape` is a `configuration_expertize.MlpShape` (d_model, d_hidden, activation, glu); `init` the recipe's
+        `layer.init`; `num_units` the unit count when the recipe gives it. The activation is returned as the base
+        model names it (the caller canonicalizes it). Kinds whose fields mirror the MLP differently override this.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        derived = {
+            "d_hidden": shape.d_hidden,
+            "encoder": "glu" if shape.glu else "mlp",
+            "activation": shape.activation,
+        }
+        return {name: value for name, value in derived.items() if name in names}
+
+    @classmethod
+    def matched_size(cls, fields: dict[str, Any], num_latents: int, convention: str) -> int | None:
+        """`size_field()`'s value under a parameter-matching convention other than "exact" (listed in
+        `match_conventions`) for a transcoder of `num_latents` latents; None: the exact search applies."""
+        return None
 
     def num_parameters(self) -> int:
         raise NotImplementedError

@@ -9,6 +9,7 @@ selected rows of W_dec (`embedding_bag`).
 """
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -19,16 +20,28 @@ from .sparse_base import (
     SparseLayer,
     SparseSpec,
     _require_int,
+    arxiv_bibtex,
     linear_bound,
     relu_topk,
     sparse_rows_sum,
     uniform_,
 )
+from .routed_neurons import _GatheredDot
 
 
 @dataclasses.dataclass
 class TranscoderSpec(SparseSpec):
     kind = "transcoder"
+    title: ClassVar[str] = "TopK transcoder"
+    unit_name: ClassVar[str] = "latent"
+    units_field: ClassVar[str] = "num_latents"
+    citation: ClassVar[str] = arxiv_bibtex(
+        "dunefsky2024transcoders",
+        title="Transcoders Find Interpretable LLM Feature Circuits",
+        authors=["Dunefsky, Jacob", "Chlenski, Philippe", "Nanda, Neel"],
+        year=2024,
+        arxiv_id="2406.11944",
+    )
     num_latents: int
     """L: dictionary size (the MxD paper uses 32 × d_in)."""
     k: int = 32
@@ -62,13 +75,43 @@ class TranscoderSpec(SparseSpec):
 @dataclasses.dataclass
 class SkipTranscoderSpec(TranscoderSpec):
     kind = "skip_transcoder"
+    title: ClassVar[str] = "skip transcoder"
+    citation: ClassVar[str] = arxiv_bibtex(
+        "paulo2025transcoders",
+        title="Transcoders Beat Sparse Autoencoders for Interpretability",
+        authors=["Paulo, Gon{\\c{c}}alo", "Shabalin, Stepan", "Belrose, Nora"],
+        year=2025,
+        arxiv_id="2501.18823",
+    )
     skip_connection = True
+
+
+def dead_relu_topk(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, dead_mask: torch.Tensor, k_aux: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """AuxK's selection (Gao et al. 2024, §A.2): TopK_aux(ReLU(W x + b)) over the *dead* units only.
+
+    x (T, I), weight (N, I), bias (N,), dead_mask (N,) bool -> (values, index), each (T, min(k_aux, N)).
+    The ranking runs without autograd; the selected pre-activations are recomputed from their rows only
+    (`_GatheredDot`), so gradients reach just the selected rows of `weight` / `bias`, never a dense (T, N) grad.
+    Where fewer than k_aux units are dead, live units fill the remaining slots with value 0 (no host sync to count).
+    """
+    k_aux = min(int(k_aux), weight.shape[0])
+    with torch.no_grad():
+        pre = F.linear(x, weight, bias)  # (T, N)
+        index = pre.masked_fill(~dead_mask, float("-inf")).topk(k_aux, dim=-1, sorted=False).indices  # (T, k_aux)
+    # F.embedding, not bias[index]: its backward is deterministic (as routed_neurons' neuron_activations).
+    values = _GatheredDot.apply(x, weight, index) + F.embedding(index, bias.unsqueeze(-1)).squeeze(-1)  # (T, k_aux)
+    return F.relu(values) * dead_mask[index], index  # live fillers -> 0
 
 
 class TranscoderLayer(SparseLayer):
     """TopK transcoder, with the zero-initialized skip path `W_skip` when `spec.skip_connection`."""
 
     spec: TranscoderSpec
+
+    supports_auxk = True
+    """Dead latents can model the residual error (`auxk_reconstruction`; conversion/training/auxk.py)."""
 
     def __init__(self, spec: TranscoderSpec) -> None:
         super().__init__(spec)
@@ -112,3 +155,12 @@ class TranscoderLayer(SparseLayer):
         if self.W_skip is not None:
             out = out + F.linear(x, self.W_skip)
         return out.view(*lead, -1)
+
+    def auxk_reconstruction(self, x: torch.Tensor, dead_mask: torch.Tensor, k_aux: int) -> torch.Tensor:
+        """AuxK's ê: W_decᵀ z_aux with z_aux = TopK_aux(ReLU(W_enc x + b_enc)) over the dead latents; no b_dec and
+        no skip path (the dead latents' contribution only). (..., I), (L,) bool -> (..., O).
+        Gradients reach only the selected dead latents' rows of W_enc, b_enc and W_dec."""
+        lead = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1])  # (T, I)
+        values, index = dead_relu_topk(x, self.W_enc, self.b_enc, dead_mask, k_aux)  # (T, k_aux) each
+        return sparse_rows_sum(SparseCode(index, values), self.W_dec).view(*lead, -1)  # (..., O)

@@ -1,10 +1,14 @@
 """Sparse layers: the fast factorized / gathered forms equal explicit references, in float64, outputs and gradients."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from expertize.conversion.recipe.param_match import match_parameter_count, mxd_experts_for_transcoder
 from expertize.modeling import (
+    LAYER_KINDS,
+    MlpShape,
     MxdLayer,
     MxdSpec,
     SkipTranscoderSpec,
@@ -239,3 +243,40 @@ def test_unit_norm_experts():
 def test_spec_errors(data, message):
     with pytest.raises(ValueError, match=message):
         spec_from_dict(data)
+
+
+# -- kind facts ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", sorted(LAYER_KINDS))
+def test_every_kind_declares_its_facts_on_its_spec_class(kind):
+    """What the recipe and the card know about a kind is read from its spec class, so each registered kind has it."""
+    spec_cls = LAYER_KINDS[kind][0]
+    fields = {f.name for f in dataclasses.fields(spec_cls)}
+    assert spec_cls.kind == kind and spec_cls.title and spec_cls.title != kind
+    assert spec_cls.unit_name in ("expert", "latent")
+    assert spec_cls.units_field in fields and spec_cls.size_field() in fields
+    assert spec_cls.citation.startswith("@article{") and "url           = {https://arxiv.org/abs/" in spec_cls.citation
+    assert spec_cls.init_modes[0] == "default" and spec_cls.match_conventions[0] == "exact"
+    defaults = spec_cls.mlp_defaults(MlpShape(16, 64, "gelu_new", False), init="default", num_units=None)
+    assert set(defaults) <= fields
+
+
+def test_kind_facts_that_differ_between_kinds():
+    assert (TranscoderSpec.unit_name, TranscoderSpec.units_field) == ("latent", "num_latents")
+    assert (MxdSpec.unit_name, MxdSpec.units_field, MxdSpec.size_field()) == ("expert", "num_experts", "num_experts")
+    assert LAYER_KINDS["mumoe_cp"][0].size_field() == "rank" and LAYER_KINDS["monet_hd"][0].size_field() == "d_hidden"
+    assert LAYER_KINDS["mumoe_cp"][0].citation == LAYER_KINDS["mumoe_tr"][0].citation  # one paper, two kinds
+    assert [k for k, (s, _) in LAYER_KINDS.items() if "paper" in s.match_conventions] == ["mxd"]
+    assert [k for k, (s, _) in LAYER_KINDS.items() if "split" in s.init_modes] == ["moe_x"]
+
+
+def test_moe_x_experts_mirror_the_dense_mlp():
+    moe_x = LAYER_KINDS["moe_x"][0]
+    gelu, gated = MlpShape(16, 64, "gelu_new", False), MlpShape(16, 64, "silu", True)
+    assert moe_x.mlp_defaults(gelu, init="split", num_units=8) == {
+        "d_expert": 8, "expert_glu": False, "expert_bias": True, "gate_scaling": "k_softmax", "activation": "gelu_new"}
+    assert moe_x.mlp_defaults(gated, init="copy", num_units=8)["d_expert"] == 64
+    assert moe_x.mlp_defaults(gated, init="default")["d_expert"] == 8  # M: the spec's default 8 when not given
+    assert moe_x.mlp_defaults(gated)["activation"] == "relu"  # MoE-X's own activation when not upcycled
+    assert MxdSpec.mlp_defaults(gated) == {"d_hidden": 64, "encoder": "glu", "activation": "silu"}

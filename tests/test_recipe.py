@@ -8,7 +8,7 @@ import pytest
 import yaml
 from transformers import AutoConfig
 
-from expertize.conversion.recipe.schema import (
+from expertize.conversion.recipe import (
     LayerConfig,
     Recipe,
     RecipeError,
@@ -106,7 +106,7 @@ def test_shipped_recipe_loads_resolves_and_round_trips(path, data_dir, tmp_path)
     if (Path(recipe.base_model) / "config.json").is_file():  # real data (EXPERTIZE_TEST_DATA): check the table
         config = AutoConfig.from_pretrained(recipe.base_model)
         fields = {k: v for k, v in config.to_dict().items() if k != "model_type"}
-        assert FAMILIES[config.model_type][0](**fields).mlp_shape() == shape
+        assert FAMILIES[config.model_type].config_class(**fields).mlp_shape() == shape
         assert config.num_hidden_layers == num_layers
     layers = resolve_layers(recipe, num_layers)
     assert layers and all(0 <= i < num_layers for i in layers)
@@ -449,7 +449,7 @@ def test_unsupported_base_activation_needs_an_explicit_one():
 def test_python_construction_is_validated_too():
     with pytest.raises(ValueError, match=r"train\.lr: expected a number, got 'fast'"):
         recipe_from_dict(minimal(), ["train.lr=fast"])
-    from expertize.conversion.recipe.schema import TrainConfig
+    from expertize.conversion.recipe import TrainConfig
 
     with pytest.raises(ValueError, match=r"train\.tokens_per_step: expected an integer, got 'many'"):
         TrainConfig(tokens_per_step="many")
@@ -496,7 +496,7 @@ def test_heal_section_errors(sections, expected):
 
 def test_generic_parameter_matching_sizes_other_kinds_and_names_the_field():
     """match_transcoder works for every kind: routed neurons get N, μMoE (match_field = rank) gets the rank."""
-    from expertize.conversion.recipe.schema import resolve_layer_spec
+    from expertize.conversion.recipe import resolve_layer_spec
     from expertize.modeling import TranscoderSpec
     from expertize.modeling.configuration_expertize import MlpShape
 
@@ -514,3 +514,119 @@ def test_generic_parameter_matching_sizes_other_kinds_and_names_the_field():
     with pytest.raises(RecipeError, match=r"layer\.match_transcoder chooses rank.*remove layer\.options\.rank"):
         recipe_from_dict(minimal(layer={"kind": "mumoe_cp", "num_experts": 16, "match_transcoder": 8,
                                         "options": {"rank": 4}}))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Failure catalogue: non-finite numbers, warm-up longer than the run, kind switches, bundled recipes, assets
+
+
+@pytest.mark.parametrize(
+    "section, text, key, shown",
+    [
+        ("train", "lr: .inf", "train.lr", "inf"),
+        ("train", "lr: .nan", "train.lr", "nan"),
+        ("train", "grad_clip: -.inf", "train.grad_clip", "-inf"),  # float | None: not "expected a number or null"
+        ("train", "betas: [0.9, .nan]", "train.betas[1]", "nan"),
+        ("heal", "lora_alpha: 1e999", "heal.lora_alpha", "inf"),  # overflows to inf when read
+        ("eval", "lm_eval_limit: .inf", "eval.lm_eval_limit", "inf"),  # int | float | None
+    ],
+)
+def test_non_finite_numbers_are_refused_naming_the_key(tmp_path, section, text, key, shown):
+    path = write(tmp_path, yaml.safe_dump(minimal(), sort_keys=False) + f"{section}:\n  {text}\n")
+    expected = rf"{re.escape(str(path))}: {re.escape(key)}: must be a finite number, got {shown}$"
+    with pytest.raises(RecipeError, match=expected):
+        load_recipe(path)
+
+
+def test_non_finite_numbers_from_overrides_and_python():
+    with pytest.raises(RecipeError, match=r"^--set train\.lr=\.inf: train\.lr: must be a finite number, got inf$"):
+        recipe_from_dict(minimal(), ["train.lr=.inf"], source="r.yaml")
+    from expertize.conversion.recipe import TrainConfig
+
+    with pytest.raises(ValueError, match=r"train\.lr: must be a finite number, got inf"):
+        TrainConfig(lr=float("inf"))
+    with pytest.raises(RecipeError, match=r"data\.eval_fraction: must be a finite number, got nan"):
+        recipe_from_dict(minimal(data={"source": "hub", "name": "x", "eval_fraction": float("nan")}))
+
+
+def test_run_steps_counts_each_stage():
+    # minimal(): data.train_tokens 1,000,000 // train.tokens_per_step 4,096 = 244 steps. A warm-up longer than its
+    # stage is not refused here (the defaults are the paper's 5,000): the training engine warns at the start.
+    assert recipe_from_dict(minimal(train={"warmup_steps": 300})).run_steps() == {"train": 244}
+    # Healing: ceil(4,096 tokens / 128 per sequence) = 32 sequences // 8 per step = 4 steps.
+    recipe = recipe_from_dict(minimal(train={"distill": False}, heal={"tokens": 4096, "batch_sequences": 8}))
+    assert recipe.run_steps() == {"heal": 4}
+
+
+def test_kind_switch_from_the_command_line_resets_k_with_null():
+    tree = minimal(layer={"kind": "mxd", "k": 8, "match_transcoder": 8})
+    expected = (r"layer\.k=8 does not apply to layer\.kind='mumoe_cp'; remove it from the recipe or override it "
+                r"with --set layer\.k=null \(it applies to kinds: ")
+    with pytest.raises(RecipeError, match=expected):
+        recipe_from_dict(tree, ["layer.kind=mumoe_cp", "layer.num_experts=16"])
+    recipe = recipe_from_dict(tree, ["layer.kind=mumoe_cp", "layer.k=null", "layer.num_experts=16"])
+    assert (recipe.layer.kind, recipe.layer.k) == ("mumoe_cp", 32)  # the default, which mumoe_cp ignores
+    spec = resolve_layer_spec(recipe.layer, MlpShape(64, 256, "gelu_new", False))
+    assert spec.kind == "mumoe_cp" and spec.num_experts == 16 and spec.rank >= 1
+    # On a key that takes null, null stays a value.
+    assert recipe_from_dict(minimal(base_revision="main"), ["base_revision=null"]).base_revision is None
+
+
+def test_bundled_recipes_by_name(data_dir, tmp_path, monkeypatch):
+    from expertize.conversion.recipe import bundled_recipes
+
+    monkeypatch.chdir(tmp_path)  # no file of those names here
+    names = set(bundled_recipes())
+    assert {p.relative_to(RECIPES).with_suffix("").as_posix() for p in SHIPPED} == names
+    for name in ("quickstart", "stories260k-mxd", "paper/mxd-gpt2-l8-mxd", "stories260k-mxd.yaml"):
+        assert load_recipe(name) == load_recipe(RECIPES / (name.removesuffix(".yaml") + ".yaml"))
+    assert load_recipe("quickstart", ["train.lr=3e-4"]).train.lr == 3e-4
+    # A file of that name wins over the bundled recipe.
+    write(tmp_path, minimal(output_dir="runs/mine"), name="quickstart")
+    assert load_recipe("quickstart").output_dir == "runs/mine"
+
+
+def test_unknown_recipe_name_suggests_a_bundled_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RecipeError) as info:
+        load_recipe("quikstart")
+    message = str(info.value)
+    assert "'quikstart' does not exist" in message and "(did you mean 'quickstart'?)" in message
+    assert "give the path of a recipe YAML file or one of the bundled recipes: " in message
+    assert "paper/mxd-gpt2-l8-mxd" in message
+
+
+def test_expertize_assets_expands_to_the_installed_assets_folder(monkeypatch):
+    import importlib.resources
+
+    from expertize.conversion.recipe import assets_dir
+
+    monkeypatch.delenv("EXPERTIZE_ASSETS", raising=False)
+    folder = Path(str(importlib.resources.files("expertize") / "assets"))
+    assert assets_dir() == folder
+    recipe = recipe_from_dict(minimal(base_model="${EXPERTIZE_ASSETS}/tiny-model"))
+    assert recipe.base_model == f"{folder}/tiny-model"
+    monkeypatch.setenv("EXPERTIZE_ASSETS", "/elsewhere")  # an explicit setting overrides the built-in value
+    assert recipe_from_dict(minimal(base_model="${EXPERTIZE_ASSETS}/tiny-model")).base_model == "/elsewhere/tiny-model"
+
+
+def test_a_new_kind_needs_only_its_spec_class_and_the_registry(monkeypatch):
+    """Registering a kind is all the recipe and the card need: they read its facts from the spec class."""
+    import dataclasses as dc
+    from typing import ClassVar
+
+    from expertize.conversion.publishing.card import _kind_info
+    from expertize.modeling import LAYER_KINDS, TranscoderLayer
+
+    @dc.dataclass
+    class WideTranscoderSpec(TranscoderSpec):
+        kind = "wide_transcoder"
+        title: ClassVar[str] = "wide transcoder"
+
+    monkeypatch.setitem(LAYER_KINDS, "wide_transcoder", (WideTranscoderSpec, TranscoderLayer))
+    layer = recipe_from_dict(minimal(layer={"kind": "wide_transcoder", "k": 4, "match_transcoder": 2})).layer
+    spec = resolve_layer_spec(layer, GPT2_SHAPE)
+    assert type(spec) is WideTranscoderSpec and spec.num_latents == 2 * 768
+    assert (_kind_info("wide_transcoder").title, _kind_info("wide_transcoder").unit) == ("wide transcoder", "latent")
+    with pytest.raises(RecipeError, match=r"layer\.init='split': .* implemented for moe_x, not 'wide_transcoder'"):
+        recipe_from_dict(minimal(layer={"kind": "wide_transcoder", "num_latents": 8, "k": 4, "init": "split"}))

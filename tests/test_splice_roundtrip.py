@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from expertize.conversion.surgery.splice import load_expertize_model, splice, splice_and_save
-from expertize.modeling import MxdLayer, MxdSpec, SkipTranscoderSpec, TranscoderSpec, build_sparse_layer
+from expertize.modeling import FAMILIES, MxdLayer, MxdSpec, SkipTranscoderSpec, TranscoderSpec, build_sparse_layer
 from tests.conftest import D_HIDDEN, D_MODEL, FAMILY_NAMES, check_remote_roundtrip, tiny_base_config, tiny_base_model
 
 GLU_FAMILIES = {"llama", "mistral", "qwen2"}
@@ -42,7 +42,7 @@ def test_roundtrip_through_remote_code(family, tmp_path, tokenizer):
 
     # Native weights copied untouched; sparse layers copied (not shared) with their values.
     spliced = model.state_dict()
-    blocks = type(model)._blocks_path
+    blocks = FAMILIES[family].blocks_path
     for key, value in base.state_dict().items():
         if ".mlp." not in key:
             assert torch.equal(spliced[key], value), key
@@ -148,3 +148,51 @@ def test_load_expertize_model_rejects_a_base_checkpoint(tmp_path):
     tiny_base_model("gpt2").save_pretrained(tmp_path / "base")
     with pytest.raises(ValueError, match=r"is not an expertize model \(config.json has model_type 'gpt2'\)"):
         load_expertize_model(tmp_path / "base")
+
+
+# -- family facts -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_family_table_and_conversion_facts(family):
+    """One named row per family (bundle) plus the conversion-side facts (LoRA targets, decoder blocks, MLP shape)."""
+    from expertize.conversion.surgery.families import (
+        attention_projections,
+        conv1d_attention,
+        decoder_blocks,
+        family_info,
+        mlp_shape,
+    )
+
+    assert set(FAMILIES) == set(FAMILY_NAMES)
+    row = FAMILIES[family]
+    assert row.config_class.model_type == f"expertize_{family}"
+    assert row.base_model_class.config_class is row.causal_lm_class.config_class is row.config_class
+    assert tuple(row) == (row.config_class, row.base_model_class, row.causal_lm_class)  # positional order kept
+    assert family_info(family) is row and family_info(f"expertize_{family}") is row
+
+    model = tiny_base_model(family)
+    blocks = decoder_blocks(model)
+    assert blocks is model.get_submodule(row.blocks_path) and len(blocks) == model.config.num_hidden_layers
+    shape = mlp_shape(model.config)
+    assert shape.d_model == model.config.hidden_size and shape.glu == (family in GLU_FAMILIES)
+    # The LoRA defaults name attention modules that exist, and none of the MLP's.
+    names = [name for name, _ in model.named_modules()]
+    for target in attention_projections(family):
+        matches = [name for name in names if name.endswith("." + target)]
+        assert len(matches) == len(blocks) and not any(".mlp." in name for name in matches), target
+    conv1d = type(model.get_submodule(matches[0])).__name__ == "Conv1D"
+    assert conv1d_attention(family) == conv1d == (family == "gpt2")
+    # An expertize model of the family answers the same.
+    spliced = splice(model, {0: build_sparse_layer(TranscoderSpec(d_in=D_MODEL, d_out=D_MODEL, num_latents=8, k=2))})
+    assert isinstance(spliced, row.causal_lm_class)
+    assert decoder_blocks(spliced) is spliced.get_submodule(row.blocks_path)
+
+
+def test_unknown_family_names_the_supported_ones():
+    from expertize.conversion.surgery.families import attention_projections, base_family
+
+    with pytest.raises(ValueError, match=r"unsupported architecture 'bert'.*gpt2, gpt_neox, llama, mistral, qwen2"):
+        base_family("bert")
+    with pytest.raises(ValueError, match=r"unsupported architecture 'opt'"):
+        attention_projections("opt")

@@ -37,8 +37,9 @@ def mxd_experts_for_transcoder(
         raise ValueError(f"convention must be 'exact' or 'paper', got {convention!r}")
     num_latents = int(round(expansion_factor * d_in))
     I, O, H = d_in, d_out, d_hidden
-    if convention == "paper" and encoder == "mlp":
-        return round((num_latents - H) * (I + O) / (I + O + 1))
+    paper = MxdSpec.matched_size(dict(d_in=I, d_out=O, d_hidden=H, encoder=encoder), num_latents, convention)
+    if paper is not None:
+        return paper
     transcoder = TranscoderSpec(d_in=I, d_out=O, num_latents=num_latents, k=1).num_parameters()
     without_experts = MxdSpec(
         d_in=I, d_out=O, d_hidden=H, num_experts=1, k=1, encoder=encoder, encoder_bias=encoder_bias

@@ -1,81 +1,45 @@
-"""Recipes: one typed dataclass tree (`Recipe`) read strictly from YAML, the input of `expertize upcycle RECIPE.yaml`.
-
-    recipe.yaml ─► YAML (floats such as 3e-4 read as numbers; duplicate keys rejected)
-               ─► `--set key=value` overrides (dotted keys, values parsed as YAML)
-               ─► ${ENV_VAR} expansion in every string
-               ─► dataclasses, every key and type checked (an unknown key is an error naming it, the file and
-                   the valid keys)
-
-The sections mirror the dataclasses one-to-one:
+"""The recipe's dataclass tree (`Recipe`): what `expertize upcycle RECIPE` reads, one dataclass per section.
 
     base_model: gpt2              # Recipe
     layers: [8]
     layer: {kind: mxd, k: 32, match_transcoder: 32}   # LayerConfig
     data: {...}                   # expertize.conversion.data.text.DataConfig
     train: {...}                  # TrainConfig
+    heal: {...}                   # HealConfig (optional)
     eval: {...}                   # EvalConfig
     output_dir: runs/gpt2-mxd-l8
 
-Relative paths (data.paths, a local base_model, output_dir) are relative to the current working directory, as in
-every command-line tool, not to the recipe file: ship recipes with `${EXPERTIZE_DATA}/...` style paths instead.
-
-Numbers: an integer is accepted where a number is expected, and a float with an integral value (4.8e8) where an
-integer is expected; booleans are never numbers.
+Each dataclass checks its own values on construction (from YAML through `loader.py`, or from Python). What a layer
+kind allows (its fields, unit count, matching conventions, init modes) is read from the kind's spec class in
+`expertize.modeling.LAYER_KINDS`; nothing here names a kind.
 """
 
-import ast
-import copy
 import dataclasses
-import difflib
-import inspect
-import math
-import os
 import re
-import textwrap
-import types
-from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal
 
-import yaml
-
-from expertize.conversion.data.text import DataConfig
-from expertize.conversion.recipe.param_match import match_parameter_count, mxd_experts_for_transcoder
-from expertize.modeling.configuration_expertize import MlpShape
 from expertize.modeling.sparse_base import SparseSpec, canonical_activation
 from expertize.modeling.sparse_layers import LAYER_KINDS
-from expertize.modeling.transcoder import TranscoderSpec
-from ..errors import ExpertizeError
 
-__all__ = [
-    "EvalConfig",
-    "LayerConfig",
-    "Recipe",
-    "RecipeError",
-    "TrainConfig",
-    "field_docs",
-    "load_recipe",
-    "recipe_from_dict",
-    "recipe_to_dict",
-    "resolve_layer_spec",
-    "resolve_layers",
-    "save_recipe",
-]
+from ..data.text import DataConfig, token_budget_to_sequences
+from .coerce import RecipeError, check_field_types, did_you_mean, field_default
 
-
-class RecipeError(ExpertizeError, ValueError):
-    """A recipe (file, override or field value) is invalid; the message names the key, the value and the fix."""
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The dataclass tree
+__all__ = ["EvalConfig", "HealConfig", "LayerConfig", "Recipe", "RecipeError", "TrainConfig"]
 
 
 # Recipe fields that map onto sparse spec fields of the same name (when the spec has them); `options` may not repeat
 # them, and the spec fields the recipe derives from the base model may not be set at all.
-_SPEC_FIELDS_FROM_RECIPE = ("k", "num_experts", "num_latents", "d_hidden", "encoder", "activation")
-_SPEC_FIELDS_FROM_MODEL = ("d_in", "d_out")
-_DENSE_INIT_KINDS = ("moe_x",)
+SPEC_FIELDS_FROM_RECIPE = ("k", "num_experts", "num_latents", "d_hidden", "encoder", "activation")
+SPEC_FIELDS_FROM_MODEL = ("d_in", "d_out")
+
+
+def spec_class(kind: str) -> type[SparseSpec]:
+    return LAYER_KINDS[kind][0]
+
+
+def spec_field_names(kind: str) -> set[str]:
+    return {f.name for f in dataclasses.fields(spec_class(kind))}
 
 
 @dataclasses.dataclass
@@ -86,7 +50,8 @@ class LayerConfig:
     """Sparse layer kind: "mxd", "transcoder" or "skip_transcoder" (any key of expertize.modeling.LAYER_KINDS)."""
 
     k: int = 32
-    """K: active experts (mxd, routed kinds) or latents (transcoders) per token; for kinds with a top-k only."""
+    """K: active experts (mxd, routed kinds) or latents (transcoders) per token; for kinds with a top-k only (on a
+    switch to a kind without one, e.g. mumoe_cp, `--set layer.k=null` resets it)."""
 
     num_experts: int | None = None
     """N, the number of experts (every kind except transcoders). Give it or `match_transcoder`, not both, unless
@@ -131,10 +96,10 @@ class LayerConfig:
     {unit_norm_experts: true} or {encoder_bias: false} for mxd."""
 
     def __post_init__(self) -> None:
-        _check_field_types(self, "layer")
+        check_field_types(self, "layer")
         if self.kind not in LAYER_KINDS:
             raise ValueError(
-                f"layer.kind: unknown kind {self.kind!r}{_did_you_mean(self.kind, LAYER_KINDS)}; "
+                f"layer.kind: unknown kind {self.kind!r}{did_you_mean(self.kind, LAYER_KINDS)}; "
                 f"known kinds: {', '.join(sorted(LAYER_KINDS))}"
             )
         for name in ("k", "num_experts", "num_latents", "d_hidden"):
@@ -154,10 +119,11 @@ class LayerConfig:
         self._check_fields_apply()
         self._check_size()
         self._check_options()
-        if self.init != "default" and self.kind not in _DENSE_INIT_KINDS:
+        if self.init not in spec_class(self.kind).init_modes:
+            kinds = [kind for kind, (spec_cls, _) in LAYER_KINDS.items() if self.init in spec_cls.init_modes]
             raise ValueError(
                 f"layer.init={self.init!r}: initialization from the dense MLP is implemented for "
-                f"{', '.join(_DENSE_INIT_KINDS)}, not {self.kind!r}; use init: default"
+                f"{', '.join(kinds)}, not {self.kind!r}; use init: default"
             )
         if self.init_noise is not None and (self.init != "copy" or not self.init_noise >= 0):
             raise ValueError(f"layer.init_noise: a number >= 0 for init: copy only, got {self.init_noise!r} with "
@@ -165,22 +131,25 @@ class LayerConfig:
 
     def _check_fields_apply(self) -> None:
         """Fields the kind's spec does not have must keep their defaults (e.g. layer.encoder for a transcoder)."""
-        spec_fields = _spec_field_names(self.kind)
-        for name in _SPEC_FIELDS_FROM_RECIPE:
-            if name not in spec_fields and getattr(self, name) != _field_default(LayerConfig, name):
-                kinds = ", ".join(kind for kind in sorted(LAYER_KINDS) if name in _spec_field_names(kind))
+        spec_fields = spec_field_names(self.kind)
+        for name in SPEC_FIELDS_FROM_RECIPE:
+            value, default = getattr(self, name), field_default(LayerConfig, name)
+            if name not in spec_fields and value != default:
+                kinds = ", ".join(kind for kind in sorted(LAYER_KINDS) if name in spec_field_names(kind))
+                # A kind switch from the command line (--set layer.kind=...) cannot delete a key of the file, but
+                # `--set KEY=null` resets it to its default.
                 raise ValueError(
-                    f"layer.{name}={getattr(self, name)!r} does not apply to layer.kind={self.kind!r}; remove it "
-                    f"(it applies to kinds: {kinds})"
+                    f"layer.{name}={value!r} does not apply to layer.kind={self.kind!r}; remove it from the recipe "
+                    f"or override it with --set layer.{name}=null (it applies to kinds: {kinds})"
                 )
 
     def _check_size(self) -> None:
         """Exactly one of the explicit unit count and match_transcoder, unless matching sizes another field."""
-        units = self.units_field
-        if units is None:
-            raise ValueError(f"layer.kind={self.kind!r}: its spec has neither num_experts nor num_latents")
+        spec_cls = spec_class(self.kind)
+        units, match_field = spec_cls.units_field, spec_cls.size_field()
+        if units not in spec_field_names(self.kind):
+            raise ValueError(f"layer.kind={self.kind!r}: its spec has no field {units!r} (its units_field)")
         explicit = getattr(self, units)
-        match_field = _match_field(self.kind)
         if match_field == units:
             if (explicit is None) == (self.match_transcoder is None):
                 state = "both are set" if explicit is not None else "neither is set"
@@ -195,33 +164,33 @@ class LayerConfig:
                     f"layer: layer.match_transcoder chooses {match_field} for layer.kind={self.kind!r}; remove "
                     f"layer.options.{match_field} or layer.match_transcoder"
                 )
-            if explicit is None and _field_default(LAYER_KINDS[self.kind][0], units) is dataclasses.MISSING:
+            if explicit is None and field_default(spec_cls, units) is dataclasses.MISSING:
                 raise ValueError(f"layer.{units}: required for layer.kind={self.kind!r}")
-        if self.match_convention != "exact" and self.kind != "mxd":
+        if self.match_convention not in spec_cls.match_conventions:
+            kinds = [kind for kind, (cls, _) in LAYER_KINDS.items() if self.match_convention in cls.match_conventions]
             raise ValueError(
-                f"layer.match_convention={self.match_convention!r} applies to mxd only (the MxD paper's Table 2); "
-                f"remove it for layer.kind={self.kind!r}"
+                f"layer.match_convention={self.match_convention!r} applies to {', '.join(kinds)} only; remove it for "
+                f"layer.kind={self.kind!r}"
             )
 
     def _check_options(self) -> None:
-        reserved = set(_SPEC_FIELDS_FROM_RECIPE) | set(_SPEC_FIELDS_FROM_MODEL) | {"kind"}
-        allowed = sorted(_spec_field_names(self.kind) - reserved)
+        reserved = set(SPEC_FIELDS_FROM_RECIPE) | set(SPEC_FIELDS_FROM_MODEL) | {"kind"}
+        allowed = sorted(spec_field_names(self.kind) - reserved)
         for name in self.options:
-            if name in _SPEC_FIELDS_FROM_RECIPE or name == "kind":
+            if name in SPEC_FIELDS_FROM_RECIPE or name == "kind":
                 raise ValueError(f"layer.options.{name}: not an option; set layer.{name} instead")
-            if name in _SPEC_FIELDS_FROM_MODEL:
+            if name in SPEC_FIELDS_FROM_MODEL:
                 raise ValueError(f"layer.options.{name}: not an option; it is taken from the base model's MLP")
             if name not in allowed:
                 raise ValueError(
                     f"layer.options.{name}: unknown option for layer.kind={self.kind!r}"
-                    f"{_did_you_mean(name, allowed)}; valid options: {', '.join(allowed) or '(none)'}"
+                    f"{did_you_mean(name, allowed)}; valid options: {', '.join(allowed) or '(none)'}"
                 )
 
     @property
-    def units_field(self) -> str | None:
+    def units_field(self) -> str:
         """The spec field that counts this kind's units: "num_experts" (mxd) or "num_latents" (transcoders)."""
-        fields = _spec_field_names(self.kind)
-        return next((name for name in ("num_experts", "num_latents") if name in fields), None)
+        return spec_class(self.kind).units_field
 
 
 @dataclasses.dataclass
@@ -282,7 +251,7 @@ class TrainConfig:
     and then healed end to end; needs a `heal:` section)."""
 
     def __post_init__(self) -> None:
-        _check_field_types(self, "train")
+        check_field_types(self, "train")
         if not self.lr > 0:
             raise ValueError(f"train.lr: must be > 0, got {self.lr}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -373,7 +342,7 @@ class HealConfig:
     """Write a resumable checkpoint every this many steps (0: none until the end)."""
 
     def __post_init__(self) -> None:
-        _check_field_types(self, "heal")
+        check_field_types(self, "heal")
         if not self.lr > 0:
             raise ValueError(f"heal.lr: must be > 0, got {self.lr}")
         for name in ("tokens", "batch_sequences", "lora_r", "log_every"):
@@ -437,7 +406,7 @@ class EvalConfig:
     always available."""
 
     def __post_init__(self) -> None:
-        _check_field_types(self, "eval")
+        check_field_types(self, "eval")
         for name in ("batch_sequences", "prompt_tokens", "continuation_tokens", "lm_eval_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"eval.{name}: must be >= 1, got {getattr(self, name)}")
@@ -492,7 +461,7 @@ class Recipe:
     """Folder receiving checkpoints, metrics, recipe.resolved.yaml and the converted model."""
 
     def __post_init__(self) -> None:
-        _check_field_types(self, "")
+        check_field_types(self, "")
         for name in ("base_model", "output_dir"):
             if not getattr(self, name).strip():
                 raise ValueError(f"{name}: must not be empty")
@@ -511,531 +480,14 @@ class Recipe:
                 "or set train.distill: true"
             )
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# Resolution against the base model
-
-
-def resolve_layers(recipe: Recipe, num_layers: int) -> list[int]:
-    """The recipe's layer indices (sorted), checked against a base model with `num_layers` decoder layers."""
-    if recipe.layers == "all":
-        return list(range(num_layers))
-    for index in recipe.layers:
-        if index >= num_layers:
-            raise RecipeError(
-                f"layers: index {index} is out of range; {recipe.base_model} has {num_layers} layers (valid indices "
-                f"0..{num_layers - 1})"
-            )
-    return sorted(recipe.layers)
-
-
-def resolve_layer_spec(layer: LayerConfig, shape: MlpShape) -> SparseSpec:
-    """Build the validated sparse layer spec for one MLP of shape `shape` from the recipe's `layer:` section."""
-    spec_cls = LAYER_KINDS[layer.kind][0]
-    spec_fields = _spec_field_names(layer.kind)
-    fields: dict[str, Any] = {"kind": layer.kind, "d_in": shape.d_model, "d_out": shape.d_model}
-    if "k" in spec_fields:
-        fields["k"] = layer.k
-    derived = ""
-    if "d_hidden" in spec_fields:
-        fields["d_hidden"] = layer.d_hidden if layer.d_hidden is not None else shape.d_hidden
-    if "encoder" in spec_fields:
-        fields["encoder"] = ("glu" if shape.glu else "mlp") if layer.encoder == "auto" else layer.encoder
-    if "activation" in spec_fields:
-        fields["activation"] = _auto_activation(shape) if layer.activation == "auto" else layer.activation
-    if layer.kind == "moe_x":
-        fields.update(_moe_x_fields(layer, shape))
-    fields.update(layer.options)
-
-    units, match_field = layer.units_field, _match_field(layer.kind)
-    if getattr(layer, units) is not None:
-        fields[units] = getattr(layer, units)
-    if layer.match_transcoder is None:
-        pass
-    elif units == "num_latents":
-        fields[units] = round(layer.match_transcoder * shape.d_model)
-        derived = (
-            f" ({units}={fields[units]} = round(layer.match_transcoder={layer.match_transcoder} x "
-            f"d_in={shape.d_model}))"
-        )
-    elif layer.kind == "mxd":
-        try:
-            fields[units] = mxd_experts_for_transcoder(
-                shape.d_model,
-                shape.d_model,
-                fields["d_hidden"],
-                layer.match_transcoder,
-                encoder=fields["encoder"],
-                encoder_bias=fields.get("encoder_bias", True),
-                convention=layer.match_convention,
-            )
-        except ValueError as e:
-            raise RecipeError(f"layer.match_transcoder={layer.match_transcoder}: {e}") from None
-        derived = (f" ({units}={fields[units]} was matched to a {layer.match_transcoder}x transcoder by "
-                   f"layer.match_transcoder, convention {layer.match_convention!r})")
-    else:
-        latents = round(layer.match_transcoder * shape.d_model)
-        target = TranscoderSpec(d_in=shape.d_model, d_out=shape.d_model, num_latents=latents, k=1).num_parameters()
-        spec_kwargs = {name: value for name, value in fields.items() if name != "kind"}
-        try:
-            fields[match_field] = match_parameter_count(spec_cls, spec_kwargs, match_field, target)
-        except ValueError as e:
-            raise RecipeError(f"layer.match_transcoder={layer.match_transcoder}: {e}") from None
-        derived = (f" ({match_field}={fields[match_field]} is the largest value within a "
-                   f"{layer.match_transcoder}x transcoder's {target:,} parameters)")
-    try:
-        return spec_cls.from_dict(fields)
-    except (ValueError, TypeError) as e:
-        # The spec names its fields `<kind>.<name>`; name the recipe keys instead.
-        message = re.sub(
-            rf"\b{re.escape(layer.kind)}\.(\w+)",
-            lambda m: f"layer.options.{m[1]}" if m[1] in layer.options else f"layer.{m[1]}",
-            str(e),
-        )
-        raise RecipeError(f"layer: {message}{derived}") from None
-
-
-def _moe_x_fields(layer: LayerConfig, shape: MlpShape) -> dict[str, Any]:
-    """MoE-X fields the recipe derives from the base MLP (layer.options still override them).
-
-    Experts mirror the MLP's form (GLU experts for gated MLPs, encoder biases where the MLP has them) and its width:
-    d_expert = ceil(H / M) (the dense width split over the experts), or H for init: copy. M is layer.num_experts, or
-    the spec's default 8 when layer.match_transcoder chooses M (then set options.d_expert to size experts yourself). `activation: auto` keeps
-    the MLP's activation when the weights come from it (an exact split / copy) and is MoE-X's ReLU otherwise; the
-    GELU/SiLU -> ReLU switch of an upcycled layer is explicit (activation: relu), and its cost before training is in
-    metrics.json["init"].
-    """
-    num_experts = layer.num_experts if layer.num_experts is not None else _field_default(
-        LAYER_KINDS["moe_x"][0], "num_experts")
-    return {
-        "d_expert": shape.d_hidden if layer.init == "copy" else math.ceil(shape.d_hidden / num_experts),
-        "expert_glu": shape.glu,
-        "expert_bias": not shape.glu,  # GPT-2 / Pythia MLPs have biases, Llama-like gated ones do not
-        # split with k < M: K · softmax keeps the experts' scale while the router still gets a gradient.
-        "gate_scaling": "k_softmax" if layer.init == "split" else "softmax",
-        "activation": (
-            ("relu" if layer.init == "default" else _auto_activation(shape))
-            if layer.activation == "auto" else layer.activation
-        ),
-    }
-
-
-def _auto_activation(shape: MlpShape) -> str:
-    try:
-        return canonical_activation(shape.activation)
-    except ValueError:
-        raise RecipeError(
-            f"layer.activation: 'auto' cannot use the base MLP's activation {shape.activation!r}, which the sparse "
-            "layers do not implement; set layer.activation to one of gelu, gelu_new, relu, silu"
-        ) from None
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Loading and saving
-
-
-def load_recipe(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Recipe:
-    """Read a recipe file strictly, apply `--set` style overrides ("train.lr=3e-4", "layers=[2,3]"), expand
-    ${ENV_VARS} in strings and validate every key and value."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise RecipeError(f"recipe file {str(path)!r} does not exist (relative to {os.getcwd()!r})") from None
-    try:
-        tree = yaml.load(text, Loader=_RecipeLoader)
-    except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML: {e}") from None
-    if tree is None:
-        raise RecipeError(f"{path}: the recipe is empty; start from one of the shipped recipes (recipes/*.yaml)")
-    return recipe_from_dict(tree, overrides, source=str(path))
-
-
-def recipe_from_dict(tree: Mapping[str, Any], overrides: Iterable[str] = (), source: str = "<recipe>") -> Recipe:
-    """`load_recipe` for an already-parsed mapping; `source` names it in error messages."""
-    src = _Source(source)
-    if not isinstance(tree, Mapping):
-        raise RecipeError(f"{source}: a recipe is a mapping of sections (base_model:, layers:, ...), got "
-                          f"{type(tree).__name__}")
-    tree = copy.deepcopy(dict(tree))
-    for override in overrides:
-        _apply_override(tree, override, src)
-    tree = _expand_env(tree, "", src)
-    return _build(Recipe, tree, "", src)
-
-
-def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
-    """Plain, YAML/JSON-able dict of every field (defaults included, env vars expanded); `recipe_from_dict` of it
-    gives an equal Recipe."""
-    return _plain(recipe)
-
-
-def save_recipe(recipe: Recipe, path: str | os.PathLike) -> None:
-    """Write `recipe_to_dict(recipe)` as YAML (e.g. `recipe.resolved.yaml` in the output folder)."""
-    text = yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, default_flow_style=None, allow_unicode=True)
-    Path(path).write_text(text, encoding="utf-8")
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The attribute docstrings of a dataclass, by field name (for --help and error messages)."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):
-        return {}
-    body = tree.body[0].body
-    docs = {}
-    for node, after in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant)
-            and isinstance(after.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(after.value.value.split())
-    return docs
-
-
-class _RecipeLoader(yaml.SafeLoader):
-    """SafeLoader that reads 3e-4 as a float (YAML 1.2; PyYAML's 1.1 rules need a dot) and rejects duplicate keys."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})", key_node.start_mark
-                )
-            seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
-
-
-_RecipeLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
-class _Source:
-    """Where recipe values come from, for error messages: the file, or the `--set` override that set a key."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.overrides: dict[str, str] = {}
-
-    def where(self, key: str) -> str:
-        for set_key, text in reversed(self.overrides.items()):
-            if key == set_key or key.startswith(set_key + ".") or key.startswith(set_key + "["):
-                return f"--set {text}"
-        return self.name
-
-    def error(self, key: str, message: str) -> RecipeError:
-        return RecipeError(f"{self.where(key)}: {message}")
-
-
-def _apply_override(tree: dict[str, Any], text: str, src: _Source) -> None:
-    key, sep, raw_value = text.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise RecipeError(f"--set {text}: expected KEY=VALUE with a dotted key, e.g. train.lr=3e-4 or layers=[2,3]")
-    try:
-        value = yaml.load(raw_value, Loader=_RecipeLoader)
-    except yaml.YAMLError as e:
-        raise RecipeError(f"--set {text}: the value is not valid YAML: {e}") from None
-    parts = key.split(".")
-    where = f"--set {text}"
-    tp: Any = Recipe
-    for i, part in enumerate(parts):
-        prefix = ".".join(parts[:i])
-        cls = _dataclass_in(tp)
-        if cls is not None:
-            names = _init_field_names(cls)
-            if part not in names:
-                raise RecipeError(f"{where}: {_unknown_key_message(prefix, part, names)}")
-            tp = get_type_hints(cls)[part]
-        elif get_origin(_strip_optional(tp)) in (dict, Mapping):
-            tp = get_args(_strip_optional(tp))[1] if get_args(_strip_optional(tp)) else Any
-        else:
-            raise RecipeError(f"{where}: {prefix!r} is a value, not a section; set it with --set {prefix}=VALUE")
-    node = tree
-    for part in parts[:-1]:
-        if node.get(part) is None:
-            node[part] = {}
-        node = node[part]
-        if not isinstance(node, dict):
-            raise RecipeError(f"{where}: cannot set {key!r}: {part!r} holds {node!r} in {src.name}, not a section")
-    node[parts[-1]] = value
-    src.overrides[key] = text
-
-
-_ENV_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_ENV_VAR_HINTS = {"EXPERTIZE_DATA": "/path/to/data, the folder holding models/ and corpora/"}
-
-
-def _expand_env(value: Any, key: str, src: _Source) -> Any:
-    """Replace ${NAME} by the environment variable NAME in every string of the tree (keys left alone)."""
-    if isinstance(value, dict):
-        return {k: _expand_env(v, _join(key, k), src) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_expand_env(v, f"{key}[{i}]", src) for i, v in enumerate(value)]
-    if not isinstance(value, str):
-        return value
-
-    def substitute(match: re.Match) -> str:
-        name = match[1]
-        found = os.environ.get(name)
-        if not found:
-            state = "is not set" if found is None else "is empty"
-            what = _ENV_VAR_HINTS.get(name, "...")
-            raise src.error(
-                key,
-                f"{key}: {value!r} uses the environment variable {name}, which {state}; set it "
-                f"(export {name}={what}) or give the value with --set {key}=...",
-            )
-        return found
-
-    return _ENV_VAR.sub(substitute, value)
-
-
-def _build(cls: type, raw: Any, prefix: str, src: _Source) -> Any:
-    """Instantiate dataclass `cls` from the mapping `raw` at dotted key `prefix`, checking every key and type."""
-    if raw is None:  # a section whose keys are all commented out
-        raw = {}
-    if not isinstance(raw, Mapping):
-        raise src.error(
-            prefix, f"{prefix}: expected a section (a mapping of keys), got {raw!r} ({type(raw).__name__})"
-        )
-    names = _init_field_names(cls)
-    for name in raw:
-        if name not in names:
-            raise src.error(_join(prefix, str(name)), _unknown_key_message(prefix, str(name), names))
-    hints = get_type_hints(cls)
-    kwargs, missing = {}, []
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        key = _join(prefix, f.name)
-        if f.name in raw:
-            try:
-                kwargs[f.name] = _coerce(raw[f.name], hints[f.name], key, src)
-            except _Mismatch as e:
-                raise src.error(e.key, str(e)) from None
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            missing.append(f.name)
-    if missing:
-        docs = field_docs(cls)
-        listed = "; ".join(f"{_join(prefix, name)} ({docs.get(name, 'no description')})" for name in missing)
-        raise RecipeError(f"{src.name}: missing required key(s): {listed}")
-    try:
-        return cls(**kwargs)
-    except (ValueError, TypeError, OSError) as e:
-        message = str(e)
-        if prefix and not message.startswith((prefix + ".", prefix + ":", prefix + " ")):
-            message = f"{prefix}: {message}"
-        touched = [text for key, text in src.overrides.items() if not prefix or key.split(".")[0] == prefix]
-        where = src.name + (f" with --set {' --set '.join(touched)}" if touched else "")
-        raise RecipeError(f"{where}: {message}") from None
-
-
-class _Mismatch(Exception):
-    def __init__(self, key: str, value: Any, expected: str, hint: str = "") -> None:
-        super().__init__(f"{key}: expected {expected}, got {value!r} ({type(value).__name__}){hint}")
-        self.key = key
-
-
-_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
-_PLURALS = {int: "integers", float: "numbers", str: "strings", bool: "booleans"}
-
-
-def _describe(tp: Any) -> str:
-    origin, args = get_origin(tp), get_args(tp)
-    if tp in _NAMES:
-        return _NAMES[tp]
-    if origin is Literal:
-        if len(args) == 1:
-            return repr(args[0])
-        return "one of " + ", ".join(repr(a) for a in args)
-    if origin in (Union, types.UnionType):
-        return " or ".join(_describe(a) for a in args)
-    if origin in (list, tuple):
-        return f"a list of {_PLURALS[args[0]]}" if args and args[0] in _PLURALS else "a list"
-    if dataclasses.is_dataclass(tp):
-        return "a section (a mapping of keys)"
-    if origin in (dict, Mapping):
-        return "a mapping"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp: Any, key: str, src: _Source) -> Any:
-    """`value` checked against the type hint `tp` (and converted: int -> float, integral float -> int, lists)."""
-    origin, args = get_origin(tp), get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        errors = []
-        for option in options:
-            try:
-                return _coerce(value, option, key, src)
-            except _Mismatch as e:
-                errors.append((option, e))
-        # A list with a bad item: report the item, not the whole union.
-        for option, error in errors:
-            if isinstance(value, list) and get_origin(option) in (list, tuple) and error.key != key:
-                raise error
-        raise _Mismatch(key, value, _describe(tp), _list_hint(value, options))
-    if origin is Literal:
-        if any(value == a and type(value) is type(a) for a in args):
-            return value
-        hint = _did_you_mean(value, [a for a in args if isinstance(a, str)]) if isinstance(value, str) else ""
-        raise _Mismatch(key, value, _describe(tp), hint)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif tp is Path:
-        if isinstance(value, (str, Path)):
-            return Path(value)
-    elif origin in (list, tuple):
-        if isinstance(value, (list, tuple)):
-            item_type = args[0] if args else Any
-            items = [_coerce(v, item_type, f"{key}[{i}]", src) for i, v in enumerate(value)]
-            return items if origin is list else tuple(items)
-        raise _Mismatch(key, value, _describe(tp), _list_hint(value, [tp]))
-    elif origin in (dict, Mapping) or tp in (dict, Mapping):
-        if isinstance(value, Mapping):
-            key_type, value_type = args if args else (Any, Any)
-            return {
-                _coerce(k, key_type, _join(key, str(k)), src): _coerce(v, value_type, _join(key, str(k)), src)
-                for k, v in value.items()
-            }
-    elif dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if isinstance(value, Mapping) or value is None:
-            return _build(tp, value, key, src)
-    elif isinstance(tp, type):
-        if isinstance(value, tp):
-            return value
-    else:
-        return value
-    raise _Mismatch(key, value, _describe(tp))
-
-
-def _list_hint(value: Any, options: list[Any]) -> str:
-    if isinstance(value, (str, int, float)) and any(get_origin(o) in (list, tuple) for o in options):
-        return f"; for a single item write [{value}]"
-    return ""
-
-
-def _check_field_types(obj: Any, prefix: str) -> None:
-    """Type-check (and normalize) the fields of a dataclass built directly in Python, not through the loader."""
-    hints = get_type_hints(type(obj))
-    src = _Source("<python>")
-    for f in dataclasses.fields(obj):
-        try:
-            setattr(obj, f.name, _coerce(getattr(obj, f.name), hints[f.name], _join(prefix, f.name), src))
-        except _Mismatch as e:
-            raise ValueError(str(e)) from None
-
-
-def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise RecipeError(f"cannot serialise the non-finite number {value}")
-    return value
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Small helpers
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _did_you_mean(name: str, choices: Iterable[str]) -> str:
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _unknown_key_message(prefix: str, name: str, names: list[str]) -> str:
-    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
-    hint = f" (did you mean {_join(prefix, close[0])!r}?)" if close else ""
-    if not hint:  # a key put in the wrong section: `lr:` at the top level -> train.lr
-        elsewhere = [key for key in _all_keys(Recipe) if key.rsplit(".", 1)[-1] == name]
-        if elsewhere:
-            hint = f" (did you mean {elsewhere[0]!r}?)"
-    under = f"under {prefix!r}" if prefix else "at the top level"
-    return f"unknown key {_join(prefix, name)!r}{hint}; valid keys {under}: {', '.join(names)}"
-
-
-def _all_keys(cls: type, prefix: str = "") -> list[str]:
-    keys = []
-    hints = get_type_hints(cls)
-    for name in _init_field_names(cls):
-        key = _join(prefix, name)
-        keys.append(key)
-        inner = _dataclass_in(hints[name])
-        if inner is not None:
-            keys.extend(_all_keys(inner, key))
-    return keys
-
-
-def _init_field_names(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls) if f.init]
-
-
-def _strip_optional(tp: Any) -> Any:
-    if get_origin(tp) in (Union, types.UnionType):
-        args = [a for a in get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
-
-
-def _dataclass_in(tp: Any) -> type | None:
-    tp = _strip_optional(tp)
-    return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
-
-
-def _field_default(cls: type, name: str) -> Any:
-    """The field's default (dataclasses.MISSING when it has none)."""
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    if f.default is dataclasses.MISSING and f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return f.default
-
-
-def _match_field(kind: str) -> str | None:
-    """The spec field that parameter matching (layer.match_transcoder) chooses: the unit count unless the spec
-    names another (`match_field`, e.g. μMoE's rank)."""
-    spec_cls = LAYER_KINDS[kind][0]
-    names = _spec_field_names(kind)
-    units = next((name for name in ("num_experts", "num_latents") if name in names), None)
-    return getattr(spec_cls, "match_field", units)
-
-
-def _spec_field_names(kind: str) -> set[str]:
-    return {f.name for f in dataclasses.fields(LAYER_KINDS[kind][0])}
+    def run_steps(self) -> dict[str, int]:
+        """Optimizer steps of each training stage: {"train": ..., "heal": ...} (a stage that does not run is left
+        out). Distillation: data.train_tokens // train.tokens_per_step; healing: the heal.tokens budget in sequences
+        of data.context_length, // heal.batch_sequences."""
+        steps = {}
+        if self.train.distill:
+            steps["train"] = self.data.train_tokens // self.train.tokens_per_step
+        if self.heal is not None:
+            sequences = token_budget_to_sequences(self.heal.tokens, self.data.context_length)
+            steps["heal"] = sequences // self.heal.batch_sequences
+        return steps

@@ -17,22 +17,23 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-from expertize.modeling import FAMILIES, SparseLayer, SparseSpec
+from expertize.modeling import SparseLayer, SparseSpec
 
-EXPERTIZE_PREFIX = "expertize_"
+from .families import EXPERTIZE_PREFIX, base_family, family_info
+
+__all__ = [
+    "EXPERTIZE_PREFIX",
+    "base_family",
+    "expertize_config",
+    "load_base_model",
+    "load_expertize_model",
+    "save_model",
+    "splice",
+    "splice_and_save",
+]
+
 # Config keys that describe the base class, not the architecture: the expertize config sets its own.
 _CLASS_KEYS = ("model_type", "architectures", "auto_map", "transformers_version", "sparse_layers")
-
-
-def base_family(model_type: str) -> str:
-    """The family key in `FAMILIES` for a base (or expertize) model_type; a clear error for anything else."""
-    family = model_type.removeprefix(EXPERTIZE_PREFIX)
-    if family not in FAMILIES:
-        raise ValueError(
-            f"unsupported architecture {model_type!r}: expertize can splice sparse layers into "
-            f"{', '.join(sorted(FAMILIES))} models"
-        )
-    return family
 
 
 def load_base_model(base: str | os.PathLike | PreTrainedModel, dtype: torch.dtype | None = None) -> PreTrainedModel:
@@ -62,16 +63,16 @@ def load_expertize_model(path: str | os.PathLike, dtype: torch.dtype | None = No
     model_type = _local_model_type(path)
     if not model_type.startswith(EXPERTIZE_PREFIX):
         raise ValueError(f"{path} is not an expertize model (config.json has model_type {model_type!r})")
-    return FAMILIES[base_family(model_type)][2].from_pretrained(path, dtype=dtype)
+    return family_info(model_type).causal_lm_class.from_pretrained(path, dtype=dtype)
 
 
 def expertize_config(base_config, specs: Mapping[int, SparseSpec]):
     """The expertize config for `base_config` with `specs` at their layers (added to any existing sparse layers)."""
-    family = base_family(base_config.model_type)
+    family = family_info(base_config.model_type)
     fields = {k: v for k, v in base_config.to_dict().items() if k not in _CLASS_KEYS}
     sparse_layers = dict(getattr(base_config, "sparse_layers", {}) or {})
     sparse_layers.update({str(i): spec.to_dict() for i, spec in specs.items()})
-    return FAMILIES[family][0](sparse_layers=sparse_layers, **fields)
+    return family.config_class(sparse_layers=sparse_layers, **fields)
 
 
 def splice(
@@ -91,12 +92,11 @@ def splice(
             raise TypeError(
                 f"layer {index}: expected a sparse layer (expertize.modeling.SparseLayer), got {type(layer).__name__}"
             )
-    family = base_family(base_model.config.model_type)
+    family = family_info(base_model.config.model_type)
     config = expertize_config(base_model.config, {int(i): layer.spec for i, layer in layers.items()})
-    model_cls = FAMILIES[family][2]
-    model = model_cls(config).to(dtype=next(base_model.parameters()).dtype)
+    model = family.causal_lm_class(config).to(dtype=next(base_model.parameters()).dtype)
 
-    state = _spliced_state_dict(model, base_model, {int(i): m for i, m in layers.items()}, model_cls._blocks_path)
+    state = _spliced_state_dict(model, base_model, {int(i): m for i, m in layers.items()}, family.blocks_path)
     model.load_state_dict(state, strict=True)
     model.generation_config = copy.deepcopy(base_model.generation_config)
     model.config.name_or_path = base_model.config.name_or_path
