@@ -1,244 +1,359 @@
-"""Distillation: train the sparse layers of every target layer concurrently to reproduce the frozen MLPs.
+"""The one training loop of expertize: distillation (`distill.py`) and healing (`heal.py`) subclass `Engine` and
+supply only their batches, their loss and what they save beyond the weights.
 
-The base model only produces activations (see `activations.py`); each sparse layer learns `y ≈ layer(x)` with the
-recipe's loss. One AdamW over all layers (their losses are independent, so summing them trains each on its own).
-Data parallelism goes through 🤗 Accelerate: `accelerate launch -m expertize upcycle ...` runs the same code.
+The engine owns AdamW, the learning-rate schedule, gradient clipping, bf16 autocast, the sparse layers'
+`before_optimizer_step` / `after_optimizer_step` hooks, non-finite detection, atomic checkpoint / exact resume
+(weights, optimizer, schedule, RNG, step; the data position is a function of the step), the JSONL log and the
+progress bar. One step is
+
+    loss = compute_loss(batch) -> backward -> layer.before_optimizer_step() -> clip -> AdamW step -> schedule step
+    -> zero grads -> layer.after_optimizer_step() -> step += 1 -> record / log / checkpoint
+
+A non-finite loss or weight stops the run with `TrainingDiverged` before anything non-finite is logged or saved
+(the last good checkpoint stays); Ctrl-C becomes `RunInterrupted`, after saving the state when it arrived between
+two steps.
 """
 
-import json
+import dataclasses
 import math
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from expertize.modeling import SparseLayer
-
-from ..data.activations import ActivationBatches
-from ..evaluation.metrics import LOSSES
-from ..recipe.schema import TrainConfig
-
-DEAD_WINDOW_TOKENS = 1_000_000
-"""A unit counts as dead during training if it has not fired in this many tokens (MxD paper App. C.1 uses ~4M)."""
+from ..errors import RunFailed
+from .errors import RunInterrupted, TrainingDiverged
+from .log import JsonlLog, truncate_log  # noqa: F401  (truncate_log: re-exported for callers of the old module)
 
 
-class SparseStack(nn.Module):
-    """All target layers as one module, so that DDP can wrap them: dict of inputs -> dict of outputs."""
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """What the engine needs to know about optimization, whichever recipe section it comes from."""
 
-    def __init__(self, layers: dict[int, SparseLayer]) -> None:
-        super().__init__()
-        self.layers = nn.ModuleDict({str(i): layer for i, layer in sorted(layers.items())})
+    lr: float
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    grad_clip: float | None = None
+    precision: str = "fp32"
+    log_every: int = 50
+    checkpoint_every: int = 0
 
-    def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {name: self.layers[name](x) for name, x in inputs.items()}
+    @classmethod
+    def from_config(cls, cfg: Any, **overrides: Any) -> "OptimConfig":
+        """The fields of `cfg` (a TrainConfig, a HealConfig, ...) that share a name with ours, then `overrides`
+        (e.g. healing's precision, which comes from `train.precision`)."""
+        values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls) if hasattr(cfg, f.name)}
+        values.update(overrides)
+        if "betas" in values:
+            values["betas"] = tuple(values["betas"])
+        return cls(**values)
 
 
-def lr_lambda(cfg: TrainConfig, total_steps: int):
-    """Linear warmup, then constant / cosine / linear decay to `min_lr_ratio`."""
+def lr_lambda(cfg: Any, total_steps: int) -> Callable[[int], float]:
+    """Linear warmup, then constant / cosine / linear decay to `min_lr_ratio`. `cfg`: anything with
+    `warmup_steps`, `schedule` and `min_lr_ratio` (OptimConfig, TrainConfig, HealConfig)."""
+    warmup, schedule, floor = cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio
 
     def factor(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.schedule == "constant":
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
             return 1.0
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-        decay = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1 - progress
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
+        return floor + (1 - floor) * decay
 
     return factor
 
 
-@dataclass
-class TrainState:
-    step: int
-    mean_outputs: dict[int, torch.Tensor]
+def run_paths(
+    run_dir: Path | None, checkpoint_path: Path | None, log_path: Path | None, checkpoint_name: str, log_name: str
+) -> tuple[Path, Path]:
+    """(checkpoint, log): the given paths, else `run_dir/checkpoint/<checkpoint_name>` and `run_dir/<log_name>`."""
+    if (checkpoint_path is None or log_path is None) and run_dir is None:
+        raise TypeError("pass run_dir, or both checkpoint_path and log_path")
+    return (
+        Path(checkpoint_path or Path(run_dir) / "checkpoint" / checkpoint_name),
+        Path(log_path or Path(run_dir) / log_name),
+    )
 
 
-class Trainer:
-    """Owns the optimizer, schedule, checkpoints and logs of one distillation run."""
+class Engine:
+    """The loop; subclasses implement the methods under "task" below.
+
+    `section` names the recipe section of the optimizer fields in advice ("train", "heal"); `name` labels the bar
+    and messages. With an `accelerator` (distillation), backward, clipping and checkpoint writing go through it
+    (data parallel; only the main process writes); without one, `device` is used on a single process.
+    """
+
+    name = "train"
+    section = "train"
+    ran_out_fix = "lower the token budget or add text"
 
     def __init__(
         self,
-        layers: dict[int, SparseLayer],
-        batches: ActivationBatches,
-        cfg: TrainConfig,
+        model: nn.Module,
+        params: Iterable[nn.Parameter],
+        optim: OptimConfig,
         *,
         total_steps: int,
-        run_dir: Path,
-        accelerator,
+        tokens_per_step: int,
+        checkpoint_path: Path,
+        log_path: Path,
+        hook_layers: Iterable[nn.Module] = (),
+        accelerator=None,
+        device: torch.device | None = None,
         progress: bool = True,
-        init_output_bias: bool = True,
+        log: Callable[[str], None] | None = None,
     ) -> None:
-        self.layers, self.batches, self.cfg, self.total_steps = layers, batches, cfg, total_steps
-        self.init_output_bias = init_output_bias  # False keeps b_dec (e.g. copied from the dense MLP)
-        self.run_dir, self.accelerator, self.progress = run_dir, accelerator, progress
-        self.checkpoint_dir = run_dir / "checkpoint"
-        self.log_path = run_dir / "train_log.jsonl"
-        self.stack = SparseStack(layers).to(accelerator.device)
+        self.optim, self.total_steps, self.tokens_per_step = optim, total_steps, tokens_per_step
+        self.checkpoint_path, self.train_log = Path(checkpoint_path), JsonlLog(log_path)
+        self.hook_layers = list(hook_layers)  # SparseLayers: before/after_optimizer_step
+        self.accelerator, self.progress, self.log = accelerator, progress, log
+        self.device = accelerator.device if accelerator is not None else torch.device(device or "cpu")
+        self.params = list(params)
         self.optimizer = torch.optim.AdamW(
-            self.stack.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+            self.params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, total_steps))
-        self.model, self.optimizer = accelerator.prepare(self.stack, self.optimizer)
-        self.loss_fn = LOSSES[cfg.loss]
-        self.window_steps = max(1, DEAD_WINDOW_TOKENS // cfg.tokens_per_step)
-        self.last_fired = {i: torch.full((layer.num_units,), -1, dtype=torch.long) for i, layer in layers.items()}
-        self.state = TrainState(step=0, mean_outputs={})
-        self._codes: dict[int, torch.Tensor] = {}
-        self._hooks = [layer.code_hook.register_forward_hook(self._record_code(i)) for i, layer in layers.items()]
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_steps))
+        if accelerator is not None:
+            model, self.optimizer = accelerator.prepare(model, self.optimizer)
+        self.model = model
+        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=optim.precision == "bf16")
+        self.step = 0
+        self.saved_step: int | None = None  # step of the checkpoint on disk (None: none written or loaded)
+        self._between_steps = False  # True while the state is a consistent end-of-step state (safe to save)
+        self._loss_finite = torch.ones((), dtype=torch.bool, device=self.device)  # AND over steps, no host sync
 
-    def _record_code(self, index: int):
-        def hook(module, args, code) -> None:
-            self._codes[index] = code.top_k_index.detach()[code.top_k_weights.detach() > 0]
+    # -- task: what distillation / healing supply ----------------------------------------------------------------
 
-        return hook
+    def batches(self, start_step: int) -> Iterator[Any]:
+        """The batches of steps `start_step`, `start_step + 1`, ... (a function of the step, for exact resume)."""
+        raise NotImplementedError
+
+    def start(self, batches: Iterator[Any], resumed: bool) -> Iterator[Any]:
+        """Before the first step (set train/eval modes; e.g. initialize from the first batch on a fresh run)."""
+        return batches
+
+    def compute_loss(self, batch: Any) -> tuple[torch.Tensor, Any]:
+        """(scalar loss to minimize, what `record` needs); run the model under `self.autocast`."""
+        raise NotImplementedError
+
+    def record(self, parts: Any) -> dict:
+        """The log fields of the step just taken, starting with "loss" (host floats)."""
+        raise NotImplementedError
+
+    def postfix(self, record: dict) -> dict:
+        return {"loss": f"{record['loss']:.4g}"}
+
+    def model_state(self) -> dict:
+        raise NotImplementedError
+
+    def load_model_state(self, state: dict) -> None:
+        raise NotImplementedError
+
+    def extra_state(self) -> dict:
+        """Task state saved with the checkpoint beyond weights (e.g. dead-unit bookkeeping)."""
+        return {}
+
+    def load_extra_state(self, state: dict) -> None:
+        pass
+
+    # -- processes --------------------------------------------------------------------------------------------------
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.accelerator is None or self.accelerator.is_main_process
+
+    @property
+    def num_processes(self) -> int:
+        return 1 if self.accelerator is None else self.accelerator.num_processes
 
     # -- checkpoints ------------------------------------------------------------------------------------------------
 
     def save_checkpoint(self) -> None:
-        """Atomically write everything needed to continue exactly: weights, optimizer, schedule, RNG, position."""
-        self.accelerator.wait_for_everyone()
-        if not self.accelerator.is_main_process:
-            return
-        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        """Atomically write everything needed to continue exactly; refuses (TrainingDiverged) non-finite state."""
+        self._require_finite()
+        if self.accelerator is not None:
+            self.accelerator.wait_for_everyone()
+        if self.is_main_process:
+            self._write_checkpoint()
+        self.saved_step = self.step
+
+    def _write_checkpoint(self) -> None:
+        self.checkpoint_path.parent.mkdir(parents=True, exist_ok=True)
         state = {
-            "step": self.state.step,
-            "layers": self.accelerator.unwrap_model(self.model).state_dict(),
+            "step": self.step,
+            "model": self.model_state(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            "mean_outputs": self.state.mean_outputs,
-            "last_fired": self.last_fired,
+            "extra": self.extra_state(),
         }
-        tmp = self.checkpoint_dir / "state.pt.tmp"
+        tmp = self.checkpoint_path.with_name(self.checkpoint_path.name + ".tmp")
         torch.save(state, tmp)
-        os.replace(tmp, self.checkpoint_dir / "state.pt")
+        os.replace(tmp, self.checkpoint_path)  # the previous checkpoint stays whole until this line
 
     def load_checkpoint(self) -> bool:
-        path = self.checkpoint_dir / "state.pt"
-        if not path.is_file():
+        """Restore the checkpoint if there is one (and drop log records written after it); False when none."""
+        if not self.checkpoint_path.is_file():
             return False
-        state = torch.load(path, map_location="cpu", weights_only=False)  # our own file
-        self.accelerator.unwrap_model(self.model).load_state_dict(state["layers"])
+        state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=False)  # our own file
+        self.load_model_state(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
         if state["cuda_rng"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
-        self.state = TrainState(step=state["step"], mean_outputs=state["mean_outputs"])
-        self.last_fired = state["last_fired"]
-        self._truncate_log(self.state.step)
+        self.load_extra_state(state["extra"])
+        self.step = self.saved_step = state["step"]
+        if self.is_main_process:
+            self.train_log.truncate(self.step)
         return True
 
-    def _truncate_log(self, step: int) -> None:
-        if self.accelerator.is_main_process:
-            truncate_log(self.log_path, step)
+    # -- the loop ---------------------------------------------------------------------------------------------------
 
-    # -- training ---------------------------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def _init_output_bias(self, batch) -> None:
-        """The paper's init: b_dec = mean MLP output (on the first batch's tokens, averaged over ranks). The mean is
-        kept for the evaluation's mean ablation either way."""
-        for i, (_, y) in batch.items():
-            mean = self.accelerator.reduce(y.float().mean(0), reduction="mean")
-            if self.init_output_bias:
-                self.layers[i].b_dec.copy_(mean.to(self.layers[i].b_dec.dtype))
-            self.state.mean_outputs[i] = mean.cpu()
-
-    def fit(self) -> dict[int, SparseLayer]:
+    def run(self) -> None:
+        """Train from the checkpoint (if any) to `total_steps`."""
         from tqdm.auto import tqdm
 
         resumed = self.load_checkpoint()
-        batches = self.batches.batches(start_step=self.state.step)
+        if resumed:
+            self._say(f"resuming {self.name} from step {self.step} of {self.total_steps} ({self.checkpoint_path})")
+        if self.optim.warmup_steps > self.total_steps:
+            self._say(
+                f"warning: {self.section}.warmup_steps={self.optim.warmup_steps} is more than the {self.total_steps} "
+                f"steps of {self.name}, so the learning rate never reaches {self.section}.lr; lower warmup_steps"
+            )
+        local_main = self.accelerator is None or self.accelerator.is_local_main_process
         bar = tqdm(
-            total=self.total_steps,
-            initial=self.state.step,
-            desc="distil",
-            disable=not (self.progress and self.accelerator.is_local_main_process),
+            total=self.total_steps, initial=self.step, desc=self.name, disable=not (self.progress and local_main)
         )
-        if not resumed:
-            first = next(batches)
-            self._init_output_bias(first)
-            batches = _prepend(first, batches)
-        autocast = torch.autocast(self.accelerator.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16")
-        self.model.train()
-        started = time.perf_counter()
-        while self.state.step < self.total_steps:
-            batch = next(batches)
-            with autocast:
-                outputs = self.model({str(i): x for i, (x, _) in batch.items()})
-            losses = {i: self.loss_fn(outputs[str(i)].float(), y.float()) for i, (_, y) in batch.items()}
-            # Routed layers' own auxiliary losses (load balance, ...), already weighted by their specs.
-            aux = [layer.aux_loss for layer in self.layers.values() if layer.aux_loss is not None]
-            self.accelerator.backward(sum(losses.values()) + sum(aux))
-            self._step()
-            self.state.step += 1
-            record = self._record(losses)
-            record["seconds"] = round(time.perf_counter() - started, 3)  # since this process started fitting
-            bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.4g}", l0=f"{record['l0']:.1f}", dead=record["dead"])
-            if self.state.step % self.cfg.log_every == 0 or self.state.step == self.total_steps:
-                self._log(record)
-            if self.cfg.checkpoint_every and self.state.step % self.cfg.checkpoint_every == 0:
-                self.save_checkpoint()
-        bar.close()
-        for handle in self._hooks:
-            handle.remove()
-        self.model.eval()
-        return self.layers
+        try:
+            batches = self.start(self.batches(self.step), resumed)
+            self._between_steps = True
+            started = time.perf_counter()
+            while self.step < self.total_steps:
+                batch = next(batches, None)
+                if batch is None:
+                    raise RunFailed(
+                        f"the training data ran out after {self.step} of {self.total_steps} {self.name} steps; "
+                        f"{self.ran_out_fix}"
+                    )
+                self._between_steps = False
+                loss, parts = self.compute_loss(batch)
+                self._backward(loss)
+                self._optimizer_step()
+                self._loss_finite &= torch.isfinite(loss.detach())
+                self.step += 1
+                record = {
+                    "step": self.step,
+                    "tokens": self.step * self.tokens_per_step,
+                    "lr": self.scheduler.get_last_lr()[0],
+                    **self.record(parts),
+                    "seconds": round(time.perf_counter() - started, 3),  # since this process started the loop
+                }
+                if not math.isfinite(record["loss"]):  # a host float already: no extra sync
+                    self._diverged("the loss")
+                bar.update(1)
+                bar.set_postfix(**self.postfix(record))
+                if self.step % self.optim.log_every == 0 or self.step == self.total_steps:
+                    if not bool(self._loss_finite):  # e.g. a NaN aux loss under a finite recorded loss
+                        self._diverged("the loss")
+                    if self.is_main_process:
+                        self.train_log.append(record)
+                if self.optim.checkpoint_every and self.step % self.optim.checkpoint_every == 0:
+                    self.save_checkpoint()
+                # Weights, optimizer, RNG, task bookkeeping and log all describe the end of this step now.
+                self._between_steps = True
+            self._require_finite()
+        except KeyboardInterrupt as interrupt:
+            if isinstance(interrupt, RunInterrupted):
+                raise
+            raise self._interrupted() from interrupt
+        finally:
+            bar.close()
+            self._between_steps = False
 
-    def _step(self) -> None:
-        for layer in self.layers.values():
+    def _backward(self, loss: torch.Tensor) -> None:
+        if self.accelerator is not None:
+            self.accelerator.backward(loss)
+        else:
+            loss.backward()
+
+    def _optimizer_step(self) -> None:
+        for layer in self.hook_layers:
             layer.before_optimizer_step()
-        if self.cfg.grad_clip:
-            self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        if self.optim.grad_clip:
+            if self.accelerator is not None:
+                self.accelerator.clip_grad_norm_(self.params, self.optim.grad_clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(self.params, self.optim.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        for layer in self.layers.values():
+        for layer in self.hook_layers:
             layer.after_optimizer_step()
 
-    def _record(self, losses: dict[int, torch.Tensor]) -> dict:
-        step, per_layer = self.state.step, {}
-        for i, loss in losses.items():
-            fired = self._codes[i].cpu()
-            self.last_fired[i][fired] = step
-            n_tokens = self.batches.local_tokens
-            dead = int(((self.last_fired[i] < 0) | (step - self.last_fired[i] >= self.window_steps)).sum())
-            per_layer[str(i)] = {"loss": loss.item(), "l0": fired.numel() / n_tokens, "dead": dead}
-        return {
-            "step": step,
-            "tokens": step * self.cfg.tokens_per_step,
-            "lr": self.scheduler.get_last_lr()[0],
-            "loss": sum(v["loss"] for v in per_layer.values()) / len(per_layer),
-            "l0": sum(v["l0"] for v in per_layer.values()) / len(per_layer),
-            "dead": sum(v["dead"] for v in per_layer.values()),
-            "layers": per_layer,
-        }
+    # -- failures ---------------------------------------------------------------------------------------------------
 
-    def _log(self, record: dict) -> None:
-        if self.accelerator.is_main_process:
-            with self.log_path.open("a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+    def _require_finite(self) -> None:
+        """Raise TrainingDiverged if a loss so far or a trainable weight is non-finite (one host sync)."""
+        if not bool(self._loss_finite):
+            self._diverged("the loss")
+        weights_finite = torch.stack([torch.isfinite(p.detach()).all() for p in self.params]).all()
+        if not bool(weights_finite):
+            self._diverged("the weights")
 
+    def _diverged(self, what: str) -> None:
+        lr = self.scheduler.get_last_lr()[0]
+        kept = (
+            f"the checkpoint of step {self.saved_step} ({self.checkpoint_path}) is kept"
+            if self.saved_step is not None
+            else "no checkpoint was written"
+        )
+        clip, section = self.optim.grad_clip, self.section
+        clip_advice = f" or {section}.grad_clip (now {clip:g})" if clip else f", set {section}.grad_clip (e.g. 1.0)"
+        raise TrainingDiverged(
+            f"{self.name} diverged: {what} became non-finite (NaN or inf) by step {self.step} of {self.total_steps}, "
+            f"at learning rate {lr:.3g} ({section}.lr={self.optim.lr:g}); {kept}, and nothing non-finite was saved. "
+            f"Lower {section}.lr{clip_advice}, then start over with `expertize upcycle RECIPE --restart`"
+        )
 
-def truncate_log(path: Path, step: int) -> None:
-    """Drop JSONL log lines written after `step` (the checkpoint's), so a resumed run's log equals an
-    uninterrupted one's."""
-    if not path.is_file():
-        return
-    lines = path.read_text(encoding="utf-8").splitlines()
-    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    def _interrupted(self) -> RunInterrupted:
+        """Save the state if the interrupt came between two steps (single process only: other ranks may be inside
+        a collective), then say where the run stands."""
+        saved_now = False
+        if self._between_steps and self.num_processes == 1 and self.step > 0 and self.step != self.saved_step:
+            try:
+                self._require_finite()
+                self._write_checkpoint()
+                self.saved_step, saved_now = self.step, True
+            except (TrainingDiverged, KeyboardInterrupt):
+                pass  # keep the last good checkpoint; a second Ctrl-C means "stop now"
+        where = f"{self.name} interrupted at step {self.step} of {self.total_steps}"
+        if saved_now:
+            return RunInterrupted(
+                f"{where}; saved a checkpoint of step {self.step} ({self.checkpoint_path}). Run the same command "
+                "again to resume from it"
+            )
+        if self.saved_step is not None:
+            return RunInterrupted(
+                f"{where}; the last checkpoint is of step {self.saved_step} ({self.checkpoint_path}). Run the same "
+                "command again to resume from it"
+            )
+        return RunInterrupted(
+            f"{where}; no checkpoint was written yet. Run the same command again to resume (it starts this stage over)"
+        )
 
-
-def _prepend(first, rest):
-    yield first
-    yield from rest
+    def _say(self, message: str) -> None:
+        if self.log is not None and self.is_main_process:
+            self.log(message)

@@ -4,15 +4,13 @@ Distillation fits each sparse layer to its MLP in isolation; errors still compou
 Healing trains the whole spliced model against the dense model's next-token distributions (KL(base ‖ healed), the
 default) or the text itself (LM cross-entropy), plus the routed layers' auxiliary losses. The sparse layers train
 fully; the rest of the model is frozen or adapted with PEFT LoRA and merged back before saving, so the saved folder
-is a plain expertize model.
+is a plain expertize model. The loop (optimizer, schedule, the sparse layers' optimizer hooks, checkpoints, logs) is
+`engine.Engine`.
 
     B sequences per step, L = data.context_length, V vocabulary.
 """
 
 import dataclasses
-import json
-import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,8 +21,9 @@ from expertize.modeling import SparseLayer
 
 from ..data.text import DataConfig, batch_sequences, iter_sequences, token_budget_to_sequences
 from ..evaluation.metrics import kl_base_to_other, next_token_ce
-from ..recipe.schema import HealConfig
-from .engine import lr_lambda, truncate_log
+from ..errors import ExpertizeError
+from ..recipe import HealConfig
+from .engine import Engine, OptimConfig, run_paths
 
 # LoRA's default targets: the attention projections of each family (suffix names, as PEFT matches them). The
 # attention names are distinct from the MLP's (GPT-2's MLP also has a `c_proj`, hence the `attn.` prefix).
@@ -94,8 +93,12 @@ def merge_healed(model: nn.Module) -> nn.Module:
     return model
 
 
-class Healer:
-    """Owns the optimizer, schedule, checkpoint and log of one healing run (single process)."""
+class Healer(Engine):
+    """One healing run (single process): token batches -> KL to the base (or LM loss) + routed layers' aux."""
+
+    name = "heal"
+    section = "heal"
+    ran_out_fix = "lower heal.tokens or add text"
 
     def __init__(
         self,
@@ -106,35 +109,46 @@ class Healer:
         cfg: HealConfig,
         *,
         family: str,
-        run_dir: Path,
         device: torch.device,
+        run_dir: Path | None = None,
+        checkpoint_path: Path | None = None,
+        log_path: Path | None = None,
         precision: str = "fp32",
         progress: bool = True,
+        log=None,
     ) -> None:
-        self.cfg, self.base, self.tokenizer, self.device, self.progress = cfg, base, tokenizer, device, progress
+        """`checkpoint_path` / `log_path` default to `run_dir/checkpoint/heal.pt` and `run_dir/heal_log.jsonl`."""
+        checkpoint_path, log_path = run_paths(run_dir, checkpoint_path, log_path, CHECKPOINT, LOG)
+        self.cfg, self.base, self.tokenizer = cfg, base, tokenizer
         # Healing reads the train split from its start, with its own budget.
         self.data = dataclasses.replace(data, train_tokens=cfg.tokens)
         sequences = token_budget_to_sequences(cfg.tokens, data.context_length)
-        self.total_steps = sequences // cfg.batch_sequences
-        if self.total_steps < 1:
-            raise ValueError(
+        total_steps = sequences // cfg.batch_sequences
+        if total_steps < 1:
+            raise ExpertizeError(
                 f"heal.tokens={cfg.tokens} is less than one step of heal.batch_sequences={cfg.batch_sequences} x "
                 f"data.context_length={data.context_length} tokens; raise heal.tokens or lower heal.batch_sequences"
             )
-        self.checkpoint_path = run_dir / "checkpoint" / CHECKPOINT
-        self.log_path = run_dir / LOG
-        self.model = prepare_for_healing(model, cfg, family).to(device)
-        self.trainable = {name: p for name, p in self.model.named_parameters() if p.requires_grad}
-        self.optimizer = torch.optim.AdamW(
-            self.trainable.values(), lr=cfg.lr, weight_decay=cfg.weight_decay
+        model = prepare_for_healing(model, cfg, family).to(device)
+        self.trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        super().__init__(
+            model,
+            self.trainable.values(),
+            OptimConfig.from_config(cfg, precision=precision),
+            total_steps=total_steps,
+            tokens_per_step=cfg.batch_sequences * data.context_length,
+            checkpoint_path=checkpoint_path,
+            log_path=log_path,
+            hook_layers=sparse_layer_modules(model).values(),
+            device=device,
+            progress=progress,
+            log=log,
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg, self.total_steps))
-        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
-        self.step = 0
+        self.log_path = self.train_log.path
 
-    # -- checkpoints ------------------------------------------------------------------------------------------------
+    # -- engine task ------------------------------------------------------------------------------------------------
 
-    def _saved_state(self) -> dict[str, torch.Tensor]:
+    def model_state(self) -> dict[str, torch.Tensor]:
         """Everything healing changes: the trainable parameters and the sparse layers' buffers (e.g. router
         statistics), never the frozen bulk of the model."""
         prefixes = tuple(f"{name}." for name in sparse_layer_modules(self.model))
@@ -142,57 +156,31 @@ class Healer:
         keep = set(self.trainable) | {key for key in state if key.startswith(prefixes)}
         return {key: value for key, value in state.items() if key in keep}
 
-    def save_checkpoint(self) -> None:
-        self.checkpoint_path.parent.mkdir(parents=True, exist_ok=True)
-        state = {
-            "step": self.step,
-            "model": self._saved_state(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-        }
-        tmp = self.checkpoint_path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, self.checkpoint_path)
-
-    def load_checkpoint(self) -> bool:
-        if not self.checkpoint_path.is_file():
-            return False
-        state = torch.load(self.checkpoint_path, map_location="cpu", weights_only=False)  # our own file
-        missing = set(state["model"]) - set(self.model.state_dict())
+    def load_model_state(self, state: dict) -> None:
+        missing = set(state) - set(self.model.state_dict())
         if missing:
-            raise ValueError(f"{self.checkpoint_path} does not fit this model (unknown keys {sorted(missing)[:3]})")
-        self.model.load_state_dict(state["model"], strict=False)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["torch_rng"])
-        self.step = state["step"]
-        truncate_log(self.log_path, self.step)
-        return True
+            raise ExpertizeError(
+                f"{self.checkpoint_path} does not fit this model (unknown keys {sorted(missing)[:3]}); start over "
+                "with `expertize upcycle RECIPE --restart`"
+            )
+        self.model.load_state_dict(state, strict=False)
 
-    def summary(self) -> dict:
-        """What `metrics.json` records about the healing run."""
-        last = None
-        if self.log_path.is_file():
-            lines = [line for line in self.log_path.read_text(encoding="utf-8").splitlines() if line.strip()]
-            last = json.loads(lines[-1]) if lines else None
-        return {
-            "steps": self.total_steps,
-            "tokens": self.total_steps * self.cfg.batch_sequences * self.data.context_length,
-            "objective": self.cfg.objective,
-            "rest": self.cfg.rest,
-            "final": last,
-        }
-
-    # -- training ---------------------------------------------------------------------------------------------------
-
-    def _batches(self) -> Iterator[torch.LongTensor]:
+    def batches(self, start_step: int) -> Iterator[torch.LongTensor]:
         # The stream position is a function of the step, so a resumed run sees the same batches.
-        start = self.step * self.cfg.batch_sequences
+        start = start_step * self.cfg.batch_sequences
         sequences = iter_sequences(self.data, self.tokenizer, split="train", start_sequence=start)
-        return batch_sequences(sequences, self.cfg.batch_sequences, drop_last=True)
+        return (ids.to(self.device) for ids in batch_sequences(sequences, self.cfg.batch_sequences, drop_last=True))
 
-    def loss(self, input_ids: torch.LongTensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def start(self, batches, resumed: bool):
+        self.base.eval()
+        # Dropout off for the whole model (healing fits a deterministic function); the sparse layers in training
+        # mode, so that they compute their auxiliary losses and use training-time routing (e.g. batch statistics).
+        self.model.eval()
+        for layer in sparse_layer_modules(self.model).values():
+            layer.train()
+        return batches
+
+    def compute_loss(self, input_ids: torch.LongTensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The healing loss of one batch (B, L): objective + aux_loss_coef * routed layers' aux losses."""
         with self.autocast:
             out = self.model(input_ids=input_ids, use_cache=False, output_router_logits=True)
@@ -204,53 +192,27 @@ class Healer:
             objective = next_token_ce(out.logits, input_ids).mean()
         aux = out.aux_loss if out.aux_loss is not None else objective.new_zeros(())
         loss = objective + self.cfg.aux_loss_coef * aux
-        return loss, {self.cfg.objective: objective.item(), "aux": aux.item()}
+        return loss, {"loss": loss.detach(), self.cfg.objective: objective.detach(), "aux": aux.detach()}
+
+    def record(self, parts: dict[str, torch.Tensor]) -> dict:
+        return {key: value.item() for key, value in parts.items()}
+
+    # -- public -----------------------------------------------------------------------------------------------------
+
+    def summary(self) -> dict:
+        """What `metrics.json` records about the healing run."""
+        return {
+            "steps": self.total_steps,
+            "tokens": self.total_steps * self.tokens_per_step,
+            "objective": self.cfg.objective,
+            "rest": self.cfg.rest,
+            "final": self.train_log.last(),
+        }
 
     def fit(self) -> nn.Module:
-        """Heal, then return the merged model (an expertize causal LM) in eval mode."""
-        from tqdm.auto import tqdm
-
-        self.load_checkpoint()
-        self.base.eval()
-        # Dropout off for the whole model (healing fits a deterministic function); the sparse layers in training
-        # mode, so that they compute their auxiliary losses and use training-time routing (e.g. batch statistics).
-        self.model.eval()
-        for layer in sparse_layer_modules(self.model).values():
-            layer.train()
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="heal", disable=not self.progress)
-        started = time.perf_counter()
-        for input_ids in self._batches() if self.step < self.total_steps else ():
-            if self.step >= self.total_steps:
-                break
-            loss, parts = self.loss(input_ids.to(self.device))
-            loss.backward()
-            if self.cfg.grad_clip:
-                torch.nn.utils.clip_grad_norm_(self.trainable.values(), self.cfg.grad_clip)
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.step += 1
-            record = {
-                "step": self.step,
-                "tokens": self.step * self.cfg.batch_sequences * self.data.context_length,
-                "lr": self.scheduler.get_last_lr()[0],
-                "loss": loss.item(),
-                **parts,
-                "seconds": round(time.perf_counter() - started, 3),
-            }
-            bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.4g}")
-            if self.step % self.cfg.log_every == 0 or self.step == self.total_steps:
-                with self.log_path.open("a", encoding="utf-8") as f:
-                    f.write(json.dumps(record) + "\n")
-            if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
-                self.save_checkpoint()
-        bar.close()
-        if self.step < self.total_steps:
-            raise RuntimeError(
-                f"the train split ran out after {self.step} of {self.total_steps} healing steps; lower heal.tokens "
-                "or add text"
-            )
+        """Heal (resuming from the checkpoint if there is one), then return the merged model (an expertize causal
+        LM) in eval mode."""
+        self.run()
         self.save_checkpoint()  # a run killed after healing resumes straight into evaluation
         model = merge_healed(self.model).eval()
         model.requires_grad_(False)
