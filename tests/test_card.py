@@ -242,3 +242,32 @@ def test_card_rebuilt_from_a_saved_folder(tmp_path, tokenizer):
     assert "| `hellaswag` | `acc,none` | 0.2892 | 0.2891 ± 0.0045 | -0.0001 |" in text
     assert "- `hellaswag`: 0-shot, 100 of 10,042 documents, limit 100" in text
     assert "recipe_summary" not in text and "layer = model.transformer.h[1].mlp" in text
+
+
+def test_local_base_has_no_base_model_metadata(tmp_path):
+    """The Hub's base_model metadata takes repository ids only: a local base is named in the text, not linked."""
+    path = write(tmp_path, base_model="tiny-gpt2-shakespeare", base_model_is_hub_id=False, lm_eval=LM_EVAL)
+    card = ModelCard.load(path)
+    assert card.data.base_model is None and "base_model" not in front_matter(path.read_text(encoding="utf-8"))
+    assert card.text.count("`tiny-gpt2-shakespeare` with the MLP of layer 8") == 1
+    assert "huggingface.co/tiny-gpt2-shakespeare" not in card.text
+    assert "| task | metric | tiny-gpt2-shakespeare | this model | Δ |" in card.text
+    # A Metrics object renders the same card as its dict.
+    from expertize.conversion.publishing.metrics_schema import Metrics
+
+    assert write(tmp_path, metrics=Metrics.from_dict(METRICS)).read_text(encoding="utf-8") == write(
+        tmp_path).read_text(encoding="utf-8")
+
+
+def test_kind_tables_are_read_from_the_spec_classes():
+    """Titles, unit names and citations are declared once, on each kind's spec class."""
+    from expertize.conversion.publishing.card import LAYER_KIND_INFO, KindInfo
+    from expertize.modeling import LAYER_KINDS
+
+    assert set(CITATIONS) == set(LAYER_KIND_INFO) == set(LAYER_KINDS)
+    for kind, (spec_cls, _) in LAYER_KINDS.items():
+        assert CITATIONS[kind] == spec_cls.citation
+        assert LAYER_KIND_INFO[kind] == KindInfo(spec_cls.title, spec_cls.unit_name, spec_cls.units_field)
+    assert LAYER_KIND_INFO["mxd"] == KindInfo("Mixture of Decoders (MxD)", "expert", "num_experts")
+    assert LAYER_KIND_INFO["skip_transcoder"] == KindInfo("skip transcoder", "latent", "num_latents")
+    assert "oldfield2025mxd" in CITATIONS["mxd"] and "eprint        = {2505.21364}" in CITATIONS["mxd"]

@@ -10,7 +10,7 @@ import yaml
 from huggingface_hub import ModelCard
 
 from expertize.conversion.cli import main as cli_main
-from expertize.conversion.harness.runner import HarnessSettings, resolve_tasks
+from expertize.conversion.harness.runner import HarnessError, HarnessSettings, resolve_tasks
 from expertize.conversion.harness.offline_tasks import (
     BUNDLED_TASKS,
     bundled_tasks_dir,
@@ -193,6 +193,32 @@ def test_eval_errors_exit_2(folders, tmp_path, capsys):
     assert "is not a folder (it should hold task YAML files)" in capsys.readouterr().err
 
 
+def test_eval_of_a_hub_task_offline_fails_before_writing_anything(folders, tmp_path, capsys, monkeypatch):
+    """HF_HUB_OFFLINE with a task whose dataset is on the Hub (and not cached): one clear line, exit 2, and no
+    output folder left behind (neither --output nor MODEL_DIR/lm_eval)."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    root, base, model, tasks = folders
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty_hub_cache"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "empty_datasets_cache")
+    before = sorted(p.name for p in model.iterdir())
+    out = tmp_path / "hellaswag_out"
+    assert cli_main(["eval", str(model), "--tasks", "hellaswag", "--output", str(out), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "expertize eval: error: offline mode is on" in err and "hellaswag (dataset Rowan/hellaswag)" in err
+    assert "expertize tasks --list" in err and "Traceback" not in err
+    assert not out.exists() and sorted(p.name for p in model.iterdir()) == before
+    # The same check guards a recipe's eval.lm_eval_tasks before any training.
+    from expertize.conversion.harness.folder_eval import LmEvalPlan
+    from expertize.conversion.recipe.schema import EvalConfig
+
+    with pytest.raises(HarnessError, match=r"eval.lm_eval_tasks: offline mode is on .*hellaswag"):
+        LmEvalPlan.from_eval_config(EvalConfig(lm_eval_tasks=["hellaswag"]))
+    # Offline tasks need no network: no error.
+    assert LmEvalPlan.from_eval_config(EvalConfig(lm_eval_tasks=["expertize_stories_ppl"])) is not None
+
+
 def test_offline_task_generation(tmp_path):
     text = _speeches(tmp_path / "t.txt", n_docs=30, seed=3)
     names = write_tasks_from_text(text, tmp_path / "a", "demo", seed=5)
@@ -317,7 +343,7 @@ def tiny_recipe(tmp_path):
 
 
 def test_upcycle_ends_with_an_lm_eval_table(tiny_recipe, tmp_path):
-    from expertize.conversion.recipe.schema import recipe_from_dict
+    from expertize.conversion.recipe import recipe_from_dict
     from expertize.conversion.upcycle import upcycle
 
     out = upcycle(recipe_from_dict(tiny_recipe), progress=False)
@@ -344,7 +370,7 @@ def test_upcycle_ends_with_an_lm_eval_table(tiny_recipe, tmp_path):
 
 
 def test_recipe_lm_eval_settings_are_checked(tiny_recipe, tmp_path):
-    from expertize.conversion.recipe.schema import RecipeError, recipe_from_dict
+    from expertize.conversion.recipe import RecipeError, recipe_from_dict
 
     recipe = recipe_from_dict(tiny_recipe, ["eval.lm_eval_limit=0.5", "eval.lm_eval_num_fewshot=2"])
     assert recipe.eval.lm_eval_limit == 0.5 and recipe.eval.lm_eval_num_fewshot == 2
@@ -352,3 +378,11 @@ def test_recipe_lm_eval_settings_are_checked(tiny_recipe, tmp_path):
         recipe_from_dict(tiny_recipe, ["eval.lm_eval_limit=0"])
     with pytest.raises(RecipeError, match="eval.lm_eval_include_paths: .* is not a folder"):
         recipe_from_dict(tiny_recipe, [f"eval.lm_eval_include_paths=[{tmp_path / 'none'}]"])
+
+
+def test_plot_sweep_metric_names_come_from_the_schema(tmp_path):
+    spec = MxdSpec(d_in=64, d_out=64, d_hidden=172, num_experts=256, k=4, encoder="glu", activation="silu")
+    folder = _fake_folder(tmp_path, "mxd4", spec, {"ce": {"base": 3.5, "spliced": 3.7}, "future": {"x": 1.5}})
+    with pytest.raises(ValueError, match=r"unknown metric 'ce.splcied' \(did you mean 'ce.spliced'"):
+        sweep_points([folder], "ce.splcied")
+    assert [p.value for p in sweep_points([folder], "future.x")] == [1.5]  # a newer expertize's metric still reads

@@ -1,6 +1,7 @@
 """`expertize push`: the Hub calls patched to copy into a local "repo", from which a process without expertize loads
 the model; the files chosen; the card's repo id; errors (no token, not an expertize folder, name clash, namespace)."""
 
+import filecmp
 import json
 import shutil
 from pathlib import Path
@@ -9,11 +10,14 @@ from unittest import mock
 import httpx2
 import pytest
 import torch
+import yaml
 from huggingface_hub import HfApi, ModelCard, RepoUrl
 from huggingface_hub.errors import HfHubHTTPError, RevisionNotFoundError
 
 from expertize.conversion.cli import main as cli_main
-from expertize.conversion.publishing.model_folder import ModelFolderError, refresh_model_card
+from expertize.conversion.publishing.model_folder import (
+    ModelFolderError, refresh_model_card, render_card_from_folder,
+)
 from expertize.conversion.publishing.push import PushError, files_to_upload, push_model
 from expertize.conversion.surgery.splice import save_model, splice
 from expertize.modeling import MxdLayer, MxdSpec
@@ -208,3 +212,69 @@ def test_push_keeps_a_card_the_user_wrote_and_renders_a_missing_one(model_dir, t
     card = ModelCard.load(tmp_path / "hub2" / "alice--tiny-mxd" / "main" / "README.md")
     assert card.data.base_model == "openai-community/gpt2" and f'repo = "{REPO}"' in card.text
     assert not (model_dir / "README.md").exists()
+
+
+def test_push_while_offline_is_a_clear_error(model_dir, tmp_path, capsys):
+    """HF_HUB_OFFLINE (set for the whole test session) with a token: one line saying so, no traceback."""
+    assert cli_main(["push", str(model_dir), "--repo-id", REPO, "--token", "hf_fake"]) == 2
+    err = capsys.readouterr().err
+    assert "expertize push: error: cannot push to alice/tiny-mxd: offline mode is on (HF_HUB_OFFLINE is set)" in err
+    assert "unset HF_HUB_OFFLINE" in err and "Traceback" not in err
+    assert not list(model_dir.glob(".push.*"))
+
+
+def test_pushed_records_hold_no_local_paths(model_dir, tmp_path):
+    """A local base: the card names it by its folder name (no base_model metadata), and the uploaded provenance,
+    recipe, metrics and lm-eval files carry `<local>/NAME` instead of paths; the local files keep the real ones."""
+    base = tmp_path / "bases" / "tiny-gpt2"
+    provenance = {"base_model": str(base), "base_model_hub_id": None, "seed": 0}
+    recipe = {"base_model": str(base), "output_dir": str(model_dir), "data": {"paths": [str(tmp_path / "c.txt")]}}
+    metrics = {"ce": {"base": 3.0, "spliced": 3.1}, "generation": {"match_curve": [1.0], "match_at_end": 1.0,
+               "match_curve_plot": "plots/generation_match.png"},
+               "lm_eval": {"tasks": {"tiny_ppl": {"base": str(base), "metrics": {"ppl,none": {"value": 3.0}}}}}}
+    (model_dir / "provenance.json").write_text(json.dumps(provenance), encoding="utf-8")
+    (model_dir / "recipe.resolved.yaml").write_text(yaml.safe_dump(recipe), encoding="utf-8")
+    (model_dir / "metrics.json").write_text(json.dumps(metrics), encoding="utf-8")
+    (model_dir / "lm_eval" / "comparison.md").write_text(f"model: `{model_dir}`\n", encoding="utf-8")
+    (model_dir / "lm_eval" / "model" / "results_2026.json").write_text(
+        json.dumps({"config": {"model_args": f"pretrained={model_dir},dtype=float32"}}), encoding="utf-8")
+    refresh_model_card(model_dir)
+    assert f"`{base}` with the MLP of layer 1" in (model_dir / "README.md").read_text()  # the local, truthful card
+    public = render_card_from_folder(model_dir)
+    assert public.data.base_model is None and "`tiny-gpt2` with the MLP of layer 1" in public.text
+    assert str(tmp_path) not in public.text
+
+    with FakeHub(tmp_path / "hub"):
+        push_model(model_dir, REPO)
+    repo = tmp_path / "hub" / "alice--tiny-mxd" / "main"
+    pushed_card = ModelCard.load(repo / "README.md")
+    assert pushed_card.data.base_model is None and "`tiny-gpt2` with the MLP of layer 1" in pushed_card.text
+    for path in repo.rglob("*"):
+        if path.suffix in (".json", ".yaml", ".md"):
+            assert str(tmp_path) not in path.read_text(encoding="utf-8"), path
+    assert json.loads((repo / "provenance.json").read_text())["base_model"] == "<local>/tiny-gpt2"
+    pushed_recipe = yaml.safe_load((repo / "recipe.resolved.yaml").read_text())
+    assert pushed_recipe == {"base_model": "<local>/tiny-gpt2", "output_dir": "<local>/model",
+                             "data": {"paths": ["<local>/c.txt"]}}
+    pushed_metrics = json.loads((repo / "metrics.json").read_text())
+    assert pushed_metrics["lm_eval"]["tasks"]["tiny_ppl"]["base"] == "<local>/tiny-gpt2"
+    assert pushed_metrics["generation"]["match_curve_plot"] == "plots/generation_match.png"
+    assert "pretrained=<local>/model,dtype=float32" in (repo / "lm_eval/model/results_2026.json").read_text()
+    # The local folder's own records stay truthful (eval finds the base through them).
+    assert json.loads((model_dir / "provenance.json").read_text()) == provenance
+    assert yaml.safe_load((model_dir / "recipe.resolved.yaml").read_text()) == recipe
+    assert filecmp.cmp(model_dir / "tokenizer.json", repo / "tokenizer.json", shallow=False)
+
+
+def test_card_names_a_hub_base_by_its_id(model_dir, tmp_path):
+    """A base from the Hub cache (a local snapshot path) is recorded, linked and pushed as its Hub id."""
+    snapshot = tmp_path / "hub-cache" / "models--openai-community--gpt2" / "snapshots" / "abc123"
+    provenance = {"base_model": str(snapshot), "base_model_hub_id": "openai-community/gpt2"}
+    (model_dir / "provenance.json").write_text(json.dumps(provenance), encoding="utf-8")
+    card = ModelCard.load(refresh_model_card(model_dir))
+    assert card.data.base_model == "openai-community/gpt2"
+    assert "[openai-community/gpt2](https://huggingface.co/openai-community/gpt2) with" in card.text
+    with FakeHub(tmp_path / "hub"):
+        push_model(model_dir, REPO)
+    pushed = json.loads((tmp_path / "hub" / "alice--tiny-mxd" / "main" / "provenance.json").read_text())
+    assert pushed["base_model"] == "openai-community/gpt2"

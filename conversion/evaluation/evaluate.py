@@ -25,7 +25,7 @@ from expertize.modeling import SparseLayer
 
 from ..data.capture import MlpCapture, replaced_mlps
 from .metrics import ReconstructionStats, kl_base_to_other, next_token_ce
-from ..recipe.schema import EvalConfig
+from ..recipe import EvalConfig
 
 __all__ = ["evaluate_sparse_layers", "generation_match_curve", "plot_firing_frequency", "plot_match_curve", "spliced_ce"]
 

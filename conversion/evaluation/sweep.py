@@ -3,17 +3,17 @@
     DIR ... ─► config.json sparse_layers (method = layer kind, K, active parameters) + metrics.json (the metric)
             ─► one line per method, sorted by x; the base model as a dashed reference line ─► PNG + JSON of the points
 
-Metric names (`read_metric`):
+Metric names (`read_metric`; the lists come from the metrics.json schema, publishing/metrics_schema.py):
     ce.spliced, ce.delta, ce.kl_base_spliced, ce.ce_recovered_mean, generation.match_at_end, ...
-                                 a dotted path into metrics.json
+                                 a dotted path into metrics.json (`SCALAR_METRICS`)
     fvu, nmse_paper, relative_mse, mse, l0, dead_fraction
-                                 mean over the replaced layers (metrics.json "layers")
+                                 mean over the replaced layers (metrics.json "layers", `LAYER_METRICS`)
     lm_eval:TASK:METRIC          an lm-eval result recorded by `expertize eval` or eval.lm_eval_tasks, e.g.
                                  lm_eval:expertize_stories_cloze:acc (the ",none" filter is implied)
 Base reference: ce.spliced -> ce.base; ce.delta and ce.kl_base_spliced -> 0; lm_eval:... -> the base's value.
 """
 
-import json
+import difflib
 import math
 import os
 from collections.abc import Sequence
@@ -21,11 +21,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from ..publishing.metrics_schema import Metrics, layer_metric_names, scalar_metric_paths
 from ..publishing.model_folder import check_model_folder, read_metrics
+from ..publishing.run_folder import write_json
 
-__all__ = ["SweepPoint", "plot_sweep", "read_metric", "sweep_points"]
+__all__ = ["LAYER_METRICS", "SCALAR_METRICS", "SweepPoint", "metric_help", "plot_sweep", "read_metric",
+           "sweep_points"]
 
-LAYER_METRICS = ("fvu", "nmse_paper", "relative_mse", "mse", "l0", "dead_fraction")
+LAYER_METRICS = tuple(layer_metric_names())
+SCALAR_METRICS = tuple(scalar_metric_paths())
 _BASE_OF = {"ce.spliced": "ce.base"}
 _ZERO_FOR_BASE = ("ce.delta", "ce.kl_base_spliced")
 XAxis = Literal["k", "active_parameters"]
@@ -49,8 +53,31 @@ def _dotted(tree: Any, path: str) -> Any:
     return tree
 
 
-def read_metric(metrics: dict[str, Any], metric: str) -> tuple[float | None, float | None]:
-    """(value, base value) of `metric` (see the module docstring) in a metrics.json dict; None where absent."""
+def metric_help() -> str:
+    """The metric names `plot-sweep` accepts, for the CLI's help."""
+    return (
+        f"a number in metrics.json by dotted path ({', '.join(SCALAR_METRICS)}), a per-layer metric averaged over "
+        f"the replaced layers ({', '.join(LAYER_METRICS)}), or lm_eval:TASK:METRIC (e.g. "
+        "lm_eval:expertize_stories_cloze:acc)"
+    )
+
+
+def _check_metric_name(metric: str, metrics: dict[str, Any]) -> None:
+    """An unknown name (not in the schema, not in this file either: e.g. a newer expertize's) is a typo."""
+    if metric.startswith("lm_eval:") or metric in LAYER_METRICS or metric in SCALAR_METRICS:
+        return
+    if _dotted(metrics, metric) is not None:
+        return
+    close = difflib.get_close_matches(metric, SCALAR_METRICS + LAYER_METRICS, n=3, cutoff=0.6)
+    hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+    raise ValueError(f"unknown metric {metric!r}{hint}; use {metric_help()}")
+
+
+def read_metric(metrics: dict[str, Any] | Metrics, metric: str) -> tuple[float | None, float | None]:
+    """(value, base value) of `metric` (see the module docstring) in metrics.json; None where absent."""
+    if isinstance(metrics, Metrics):
+        metrics = metrics.to_dict()
+    _check_metric_name(metric, metrics)
     if metric.startswith("lm_eval:"):
         _, task, name = (metric.split(":", 2) + ["", ""])[:3]
         if not task or not name:
@@ -140,5 +167,5 @@ def plot_sweep(
     plt.close(fig)
     record = {"metric": metric, "x": x, "base_value": bases[0] if bases else None,
               "points": [asdict(p) for p in points]}
-    output.with_suffix(".json").write_text(json.dumps(record, indent=2), encoding="utf-8")
+    write_json(output.with_suffix(".json"), record)
     return output

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..publishing.run_folder import LM_EVAL
+from .offline import check_task_data_offline
 from .runner import HarnessError, HarnessSettings, Log, compare_on_tasks, resolve_tasks
 
 __all__ = ["RECORDED", "LmEvalPlan", "evaluate_model_folder", "lm_eval_record", "resolve_device"]
@@ -111,11 +113,12 @@ def evaluate_model_folder(
         raise HarnessError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     device = resolve_device(device)
     task_manager, tasks = resolve_tasks(settings.tasks, settings.include_paths)
+    check_task_data_offline(task_manager, tasks, HarnessError)  # before any model is loaded or folder made
     if base == RECORDED:
         base = recorded_base_model(model_dir)
         if base is None:
             log(f"{model_dir} records no base model: evaluating the model alone (name one with --base)")
-    output_dir = Path(output_dir) if output_dir is not None else model_dir / "lm_eval"
+    output_dir = Path(output_dir) if output_dir is not None else model_dir / LM_EVAL
 
     torch_dtype = getattr(torch, dtype)
     base_model = base_tokenizer = None
@@ -166,6 +169,7 @@ class LmEvalPlan:
         )
         try:
             task_manager, tasks = resolve_tasks(settings.tasks, settings.include_paths)
+            check_task_data_offline(task_manager, tasks, HarnessError)  # before training, not after
         except HarnessError as e:
             raise HarnessError(f"eval.lm_eval_tasks: {e}") from None
         return cls(settings, task_manager, tasks)
@@ -177,7 +181,7 @@ class LmEvalPlan:
         """Both models in float32 on `device`, the harness's files under model_dir/lm_eval (model_dir may be a
         staging folder: recorded paths are relative to it); returns the metrics.json["lm_eval"] section."""
         model, base = model.to(device).float().eval(), base.to(device).float().eval()
-        output_dir = Path(model_dir) / "lm_eval"
+        output_dir = Path(model_dir) / LM_EVAL
         comparison = compare_on_tasks(
             model, tokenizer, base, tokenizer, self.settings, output_dir,
             model_name=model_name, base_name=base_name, task_manager=self.task_manager, tasks=self.tasks,

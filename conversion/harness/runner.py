@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import difflib
 import fnmatch
-import json
 import logging
 import math
 import os
@@ -25,8 +24,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .offline_tasks import bundled_tasks_dir
 from ..errors import ExpertizeError
+from ..progress import quiet_lm_eval
+from ..publishing.run_folder import write_json, write_text
+from .offline_tasks import bundled_tasks_dir
 
 __all__ = [
     "HarnessError",
@@ -174,7 +175,7 @@ def run_harness(
     output_dir.mkdir(parents=True, exist_ok=True)
     # A ".json" output_path makes the tracker write <output_dir>/results_<date>.json and the samples next to it.
     tracker = EvaluationTracker(output_path=str(output_dir / "results.json"))
-    with _harness_logging(verbose):
+    with _harness_logging(verbose), quiet_lm_eval():  # quiet_lm_eval: no bars under --no-progress
         lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=settings.batch_size)
         results = lm_eval.simple_evaluate(
             model=lm,
@@ -342,6 +343,24 @@ def compare_on_tasks(
     output_dir = Path(output_dir)
     if task_manager is None or tasks is None:
         task_manager, tasks = resolve_tasks(settings.tasks, settings.include_paths)
+    created = not output_dir.exists()
+    try:
+        return _compare_on_tasks(
+            model, tokenizer, base, base_tokenizer, settings, output_dir, model_name=model_name, base_name=base_name,
+            task_manager=task_manager, tasks=tasks, extra_settings=extra_settings, log=log, verbose=verbose,
+        )
+    except BaseException:
+        if created:  # a failed first run leaves no empty or half-written folder behind
+            import shutil
+
+            shutil.rmtree(output_dir, ignore_errors=True)
+        raise
+
+
+def _compare_on_tasks(
+    model, tokenizer, base, base_tokenizer, settings, output_dir: Path, *, model_name, base_name, task_manager,
+    tasks, extra_settings, log: Log, verbose: bool,
+) -> dict[str, Any]:
     runs = [("model", model, tokenizer, model_name)]
     if base is not None:
         runs.append(("base", base, base_tokenizer, base_name))
@@ -365,7 +384,7 @@ def compare_on_tasks(
         "tasks": compare_results(results["model"], results.get("base")),
         "files": files,
     }
-    (output_dir / "comparison.json").write_text(json.dumps(comparison, indent=2), encoding="utf-8")
-    (output_dir / "comparison.md").write_text(comparison_markdown(comparison), encoding="utf-8")
+    write_json(output_dir / "comparison.json", comparison)  # strict JSON, like every record expertize writes
+    write_text(output_dir / "comparison.md", comparison_markdown(comparison))
     plot_comparison(comparison, output_dir / "comparison.png")
     return comparison

@@ -22,6 +22,11 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from .metrics_schema import CeMetrics, GenerationMetrics, LayerMetrics, Metrics
+from .run_folder import MODEL_CARD, write_text
+
+from expertize.modeling.sparse_layers import LAYER_KINDS
+
 __all__ = [
     "CITATIONS",
     "LAYER_KIND_INFO",
@@ -40,7 +45,7 @@ MISSING = "—"
 
 @dataclass(frozen=True)
 class KindInfo:
-    """How a card names one sparse layer kind."""
+    """How a card names one sparse layer kind (read from the kind's spec class: title, unit_name, units_field)."""
 
     title: str
     """Method name in prose, e.g. "Mixture of Decoders (MxD)"."""
@@ -50,114 +55,20 @@ class KindInfo:
     """Spec field holding the number of units."""
 
 
-LAYER_KIND_INFO: dict[str, KindInfo] = {
-    "mxd": KindInfo("Mixture of Decoders (MxD)", "expert", "num_experts"),
-    "moe_x": KindInfo("MoE-X", "expert", "num_experts"),
-    "monet_hd": KindInfo("Monet with horizontal expert decomposition (Monet-HD)", "expert", "num_experts"),
-    "monet_vd": KindInfo("Monet with vertical expert decomposition (Monet-VD)", "expert", "num_experts"),
-    "mumoe_cp": KindInfo("CP multilinear mixture of experts (CPμMoE)", "expert", "num_experts"),
-    "mumoe_tr": KindInfo("tensor-ring multilinear mixture of experts (TRμMoE)", "expert", "num_experts"),
-    "routed_neurons": KindInfo("routed single-neuron experts (secret MoE)", "expert", "num_experts"),
-    "transcoder": KindInfo("TopK transcoder", "latent", "num_latents"),
-    "skip_transcoder": KindInfo("skip transcoder", "latent", "num_latents"),
-}
-
-def _arxiv_bibtex(key: str, *, title: str, authors: list[str], year: int, arxiv_id: str) -> str:
-    fields = {
-        "title": title,
-        "author": " and ".join(authors),
-        "journal": f"arXiv preprint arXiv:{arxiv_id}",
-        "year": year,
-        "eprint": arxiv_id,
-        "archivePrefix": "arXiv",
-        "url": f"https://arxiv.org/abs/{arxiv_id}",
-    }
-    body = ",\n".join(f"  {name:<13} = {{{value}}}" for name, value in fields.items())
-    return f"@article{{{key},\n{body}\n}}"
+def _kind_info(kind: str) -> KindInfo:
+    """The card's names for `kind`, read from its spec class (a generic "unit" for a kind this version lacks)."""
+    if kind in LAYER_KINDS:
+        spec_cls = LAYER_KINDS[kind][0]
+        return KindInfo(spec_cls.title or kind, spec_cls.unit_name, spec_cls.units_field)
+    return KindInfo(kind, "unit", "num_units")
 
 
-_MUMOE_CITATION = _arxiv_bibtex(
-    "oldfield2024mumoe",
-    title="Multilinear Mixture of Experts: Scalable Expert Specialization through Factorization",
-    authors=[
-        "Oldfield, James",
-        "Georgopoulos, Markos",
-        "Chrysos, Grigorios G.",
-        "Tzelepis, Christos",
-        "Panagakis, Yannis",
-        "Nicolaou, Mihalis A.",
-        "Deng, Jiankang",
-        "Patras, Ioannis",
-    ],
-    year=2024,
-    arxiv_id="2402.12550",
-)
-
-_MONET_CITATION = _arxiv_bibtex(
-    "park2025monet",
-    title="Monet: Mixture of Monosemantic Experts for Transformers",
-    authors=["Park, Jungwoo", "Ahn, Young Jin", "Kim, Kee-Eung", "Kang, Jaewoo"],
-    year=2025,
-    arxiv_id="2412.04139",
-)
+# The kind facts live on the spec classes (expertize.modeling); these tables are views of them.
+LAYER_KIND_INFO: dict[str, KindInfo] = {kind: _kind_info(kind) for kind in LAYER_KINDS}
 
 # BibTeX of the paper behind each layer kind, cited by every card that uses the kind.
 CITATIONS: dict[str, str] = {
-    "mxd": _arxiv_bibtex(
-        "oldfield2025mxd",
-        title="Towards Interpretability Without Sacrifice: "
-        "Faithful Dense Layer Decomposition with Mixture of Decoders",
-        authors=[
-            "Oldfield, James",
-            "Im, Shawn",
-            "Li, Yixuan",
-            "Nicolaou, Mihalis A.",
-            "Patras, Ioannis",
-            "Chrysos, Grigorios G.",
-        ],
-        year=2025,
-        arxiv_id="2505.21364",
-    ),
-    "moe_x": _arxiv_bibtex(
-        "yang2025moex",
-        title="Mixture of Experts Made Intrinsically Interpretable",
-        authors=[
-            "Yang, Xingyi",
-            "Venhoff, Constantin",
-            "Khakzar, Ashkan",
-            "de Witt, Christian Schroeder",
-            "Dokania, Puneet K.",
-            "Bibi, Adel",
-            "Torr, Philip",
-        ],
-        year=2025,
-        arxiv_id="2503.07639",
-    ),
-    "monet_hd": _MONET_CITATION,
-    "monet_vd": _MONET_CITATION,
-    "mumoe_cp": _MUMOE_CITATION,
-    "mumoe_tr": _MUMOE_CITATION,
-    "routed_neurons": _arxiv_bibtex(
-        "boixadsera2025secret",
-        title="Secret mixtures of experts inside your LLM",
-        authors=["Boix-Adsera, Enric"],
-        year=2025,
-        arxiv_id="2512.18452",
-    ),
-    "transcoder": _arxiv_bibtex(
-        "dunefsky2024transcoders",
-        title="Transcoders Find Interpretable LLM Feature Circuits",
-        authors=["Dunefsky, Jacob", "Chlenski, Philippe", "Nanda, Neel"],
-        year=2024,
-        arxiv_id="2406.11944",
-    ),
-    "skip_transcoder": _arxiv_bibtex(
-        "paulo2025transcoders",
-        title="Transcoders Beat Sparse Autoencoders for Interpretability",
-        authors=["Paulo, Gon{\\c{c}}alo", "Shabalin, Stepan", "Belrose, Nora"],
-        year=2025,
-        arxiv_id="2501.18823",
-    ),
+    kind: spec_cls.citation for kind, (spec_cls, _) in LAYER_KINDS.items() if spec_cls.citation
 }
 
 # Spec fields shown in their own columns of the "Replaced layers" table; the rest go to "other settings".
@@ -229,10 +140,6 @@ def _code(x: Any) -> str:
 # Sections
 
 
-def _kind_info(kind: str) -> KindInfo:
-    return LAYER_KIND_INFO.get(kind, KindInfo(kind, "unit", "num_units"))
-
-
 def _num_units(spec: Mapping[str, Any]) -> Any:
     info = _kind_info(spec.get("kind", ""))
     for field in (info.units_field, "num_experts", "num_latents", "num_units"):
@@ -260,7 +167,7 @@ def _layer_list(indices: list[int]) -> str:
     return "layers " + ", ".join(words[:-1]) + " and " + words[-1]
 
 
-def _summary(base_model: str, layers: dict[int, dict]) -> str:
+def _summary(base_model: str, layers: dict[int, dict], is_hub_id: bool) -> str:
     groups: dict[tuple, list[int]] = {}
     for index, spec in layers.items():
         groups.setdefault((spec.get("kind"), spec.get("k"), _num_units(spec)), []).append(index)
@@ -272,7 +179,7 @@ def _summary(base_model: str, layers: dict[int, dict]) -> str:
             f"the MLP{'' if one else 's'} of {_layer_list(indices)} replaced by {'a ' if one else ''}{info.title} "
             f"layer{'' if one else 's'} (K = {_cell(k)} of {_cell(n_units)} {info.unit}s active per token)"
         )
-    base = f"[{base_model}](https://huggingface.co/{base_model})" if _REPO_ID.match(base_model) else f"`{base_model}`"
+    base = f"[{base_model}](https://huggingface.co/{base_model})" if is_hub_id else f"`{base_model}`"
     units = "/".join(sorted({_kind_info(spec.get("kind", "")).unit + "s" for spec in layers.values()}))
     return (
         f"{base} with {'; '.join(parts)}. Each sparse layer is a drop-in replacement for the dense MLP, trained to "
@@ -298,42 +205,42 @@ def _layer_table(layers: dict[int, dict]) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
-def _metric_table(layer_metrics: Mapping[Any, Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
-    header = ["layer", "NMSE (MxD paper)", "relative MSE", "FVU", "MSE", "L0", "dead"]
+_FORMATS = {
+    "number": format_number,
+    "l0": lambda x: format_number(x, 2),
+    "percent": format_percent,
+    "count": format_count,
+}
+
+
+def _formatted(section: Any, f) -> str:
+    return _FORMATS[f.metadata["format"]](getattr(section, f.name))
+
+
+def _metric_table(layer_metrics: Mapping[str, LayerMetrics]) -> tuple[list[str], list[list[str]]]:
+    columns = LayerMetrics.titled_fields()  # the schema's titled fields, in order
+    header = ["layer", *(f.metadata["title"] for f in columns), "dead"]
     rows = []
     for index, m in sorted(layer_metrics.items(), key=lambda kv: int(kv[0])):
-        dead = format_count(m.get("dead_units"))
-        if m.get("num_units") is not None:
-            dead += f" / {format_count(m['num_units'])}"
-        if m.get("dead_fraction") is not None:
-            dead += f" ({format_percent(m['dead_fraction'])})"
-        rows.append(
-            [str(int(index))]
-            + [format_number(m.get(name)) for name in ("nmse_paper", "relative_mse", "fvu", "mse")]
-            + [format_number(m.get("l0"), 2), dead]
-        )
+        dead = format_count(m.dead_units)
+        if m.num_units is not None:
+            dead += f" / {format_count(m.num_units)}"
+        if m.dead_fraction is not None:
+            dead += f" ({format_percent(m.dead_fraction)})"
+        rows.append([str(int(index))] + [_formatted(m, f) for f in columns] + [dead])
     return header, rows
 
 
-def _ce_rows(ce: Mapping[str, Any], generation: Mapping[str, Any]) -> list[list[str]]:
+def _ce_rows(ce: CeMetrics | None, generation: GenerationMetrics | None) -> list[list[str]]:
     rows = []
-    if ce:
-        rows += [
-            ("CE, base model", format_number(ce.get("base"))),
-            ("CE, sparse layers spliced in", format_number(ce.get("spliced"))),
-            ("ΔCE (spliced − base)", format_number(ce.get("delta"))),
-            ("KL(base ‖ spliced)", format_number(ce.get("kl_base_spliced"))),
-            ("CE, MLPs zero-ablated", format_number(ce.get("zero_ablation"))),
-            ("CE, MLPs mean-ablated", format_number(ce.get("mean_ablation"))),
-            ("CE recovered vs zero ablation", format_percent(ce.get("ce_recovered_zero"))),
-            ("CE recovered vs mean ablation", format_percent(ce.get("ce_recovered_mean"))),
-        ]
-    if generation.get("match_at_end") is not None:
-        size = [f"{format_count(generation['n_prompts'])} prompts"] if generation.get("n_prompts") else []
-        size += [f"{len(generation['match_curve'])} tokens"] if generation.get("match_curve") else []
+    if ce is not None:
+        rows += [[f.metadata["title"], _formatted(ce, f)] for f in CeMetrics.titled_fields()]
+    if generation is not None and generation.match_at_end is not None:
+        size = [f"{format_count(generation.n_prompts)} prompts"] if generation.n_prompts else []
+        size += [f"{len(generation.match_curve)} tokens"] if generation.match_curve else []
         label = "greedy continuations identical to base" + (f" ({' × '.join(size)})" if size else "")
-        rows.append((label, format_percent(generation["match_at_end"])))
-    return [list(row) for row in rows]
+        rows.append([label, format_percent(generation.match_at_end)])
+    return rows
 
 
 def _match_rows(curve: list[Any]) -> list[tuple[str, str]]:
@@ -406,7 +313,7 @@ def _blocks_expr(model_dir: Path) -> str:
 
         family = FAMILIES.get(str(model_type).removeprefix("expertize_"))
         if family is not None:
-            return f"model.{family[2]._blocks_path}"
+            return f"model.{family.blocks_path}"
     return "model.decoder_blocks()"
 
 
@@ -436,11 +343,12 @@ def render_model_card(
     base_model: str,
     layers: Mapping[int, Mapping[str, Any]],
     recipe_summary: Mapping[str, Any] | None,
-    metrics: Mapping[str, Any] | None,
+    metrics: Mapping[str, Any] | Metrics | None,
     lm_eval: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
     model_name: str | None = None,
     repo_id: str | None = None,
     lm_eval_details: Mapping[str, Mapping[str, Any]] | None = None,
+    base_model_is_hub_id: bool | None = None,
 ) -> ModelCard:
     """The model card (metadata + body) without writing it; see `write_model_card` for the arguments."""
     model_dir = Path(model_dir)
@@ -456,8 +364,13 @@ def render_model_card(
     model_name = model_name or (repo_id.split("/")[-1] if repo_id else _default_model_name(base_model, layers))
 
     lm_eval_rows, eval_results = _lm_eval(lm_eval or {})
+    # True: a Hub id (metadata + link); False: a name that is not one (no metadata: the Hub accepts only repository
+    # ids there); None: unknown, recorded as given and linked when it has the form of a Hub id.
+    in_metadata = base_model_is_hub_id is not False
+    if base_model_is_hub_id is None:
+        base_model_is_hub_id = bool(_REPO_ID.match(base_model))
     card_data = ModelCardData(
-        base_model=base_model,
+        base_model=base_model if in_metadata else None,
         library_name="transformers",
         pipeline_tag="text-generation",
         tags=["expertize", *kinds, "sparse-experts", "interpretability"],
@@ -465,10 +378,12 @@ def render_model_card(
         eval_results=eval_results or None,
     )
 
-    metrics = metrics or {}
+    evaluated = metrics.evaluated if isinstance(metrics, Metrics) else bool(metrics)
+    if not isinstance(metrics, Metrics):
+        metrics = Metrics.from_dict(dict(metrics or {}))
     layer_header, layer_rows = _layer_table(layers)
-    metric_header, metric_rows = _metric_table(metrics.get("layers") or {})
-    generation = metrics.get("generation") or {}
+    metric_header, metric_rows = _metric_table(metrics.layers)
+    generation = metrics.generation
     units = sorted({_kind_info(kind).unit for kind in kinds})
     template = importlib.resources.files("expertize.model_cards").joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
     return ModelCard.from_template(
@@ -476,7 +391,8 @@ def render_model_card(
         template_str=template,
         model_name=model_name,
         repo_id=repo_id or f"<user>/{model_name}",
-        summary=_summary(base_model, layers),
+        base_model=base_model,  # the lm-eval table's column (also when the metadata has no base_model)
+        summary=_summary(base_model, layers, base_model_is_hub_id),
         blocks_expr=_blocks_expr(model_dir),
         example_layer=next(iter(layers)),
         unit=units[0] if len(units) == 1 else "unit",
@@ -486,13 +402,13 @@ def render_model_card(
         layer_rows=layer_rows,
         recipe_rows=[[_code(key), _cell(value)] for key, value in (recipe_summary or {}).items()],
         recipe_files=_recipe_files(model_dir),
-        evaluated=bool(metrics) or bool(lm_eval_rows),
-        eval_tokens=format_count(metrics["eval_tokens"]) if metrics.get("eval_tokens") is not None else "",
+        evaluated=evaluated or bool(lm_eval_rows),
+        eval_tokens=format_count(metrics.eval_tokens) if metrics.eval_tokens is not None else "",
         metric_header=metric_header,
         metric_rows=metric_rows,
-        ce_rows=_ce_rows(metrics.get("ce") or {}, generation),
-        match_rows=_match_rows(list(generation.get("match_curve") or [])),
-        n_prompts=format_count(generation.get("n_prompts")),
+        ce_rows=_ce_rows(metrics.ce, generation),
+        match_rows=_match_rows(list(generation.match_curve) if generation is not None else []),
+        n_prompts=format_count(generation.n_prompts if generation is not None else None),
         lm_eval_rows=lm_eval_rows,
         lm_eval_notes=_lm_eval_notes(lm_eval_details or {}),
         # dict.fromkeys: kinds from one paper (mumoe_cp, mumoe_tr) cite it once
@@ -507,20 +423,23 @@ def write_model_card(
     base_model: str,
     layers: Mapping[int, Mapping[str, Any]],
     recipe_summary: Mapping[str, Any] | None,
-    metrics: Mapping[str, Any] | None,
+    metrics: Mapping[str, Any] | Metrics | None,
     lm_eval: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
     model_name: str | None = None,
     repo_id: str | None = None,
     lm_eval_details: Mapping[str, Mapping[str, Any]] | None = None,
+    base_model_is_hub_id: bool | None = None,
 ) -> Path:
     """Write `model_dir/README.md` (Hub metadata + card body) and return its path; a second call replaces it.
 
     Args:
-        base_model: Hub id (or path) of the dense model the layers were taken from; goes into `base_model`.
+        base_model: Hub id (or local name) of the dense model the layers were taken from; a Hub id goes into the
+            `base_model` metadata and is linked. Never give a local absolute path for a card to be published:
+            `model_folder.refresh_model_card` names a local base by its folder name (local_paths.public_base_model).
         layers: decoder layer index -> spec dict (`{"kind": "mxd", "d_in": ..., "k": ..., ...}`, as in the config's
             `sparse_layers`), optionally with "num_parameters" (counted from the spec when absent and valid).
         recipe_summary: setting -> value rows of the "Training" table (tokens, lr, steps, data source, seed, ...).
-        metrics: the evaluation dict (`{"layers": {"8": {"nmse_paper", "relative_mse", "fvu", "mse", "l0",
+        metrics: a `Metrics` (metrics_schema.py) or the evaluation dict (`{"layers": {"8": {"nmse_paper", "relative_mse", "fvu", "mse", "l0",
             "dead_units", "dead_fraction", "num_units"}}, "ce": {"base", "spliced", "delta", "kl_base_spliced",
             "zero_ablation", "mean_ablation", "ce_recovered_zero", "ce_recovered_mean"}, "generation":
             {"match_curve", "match_at_end", "n_prompts"}, "eval_tokens"}`; fractions in [0, 1]); any key may be
@@ -531,6 +450,8 @@ def write_model_card(
         repo_id: the Hub repository used in the loading snippet; default `<user>/<model_name>`.
         lm_eval_details: task -> {"n_shot", "n_samples", "n_documents", "limit"} (any may be missing), listed under
             the lm-eval table.
+        base_model_is_hub_id: whether `base_model` is a Hub repository id (False: no `base_model` metadata, no
+            link); None: recorded as given, linked when it has the form of a Hub id.
     """
     model_dir = Path(model_dir)
     card = render_model_card(
@@ -543,13 +464,7 @@ def write_model_card(
         model_name=model_name,
         repo_id=repo_id,
         lm_eval_details=lm_eval_details,
+        base_model_is_hub_id=base_model_is_hub_id,
     )
-    model_dir.mkdir(parents=True, exist_ok=True)
-    path = model_dir / "README.md"
-    tmp = model_dir / f".README.md.{os.getpid()}.tmp"
-    try:
-        tmp.write_text(str(card), encoding="utf-8", newline="")
-        os.replace(tmp, path)  # atomic: readers see the old card or the new one, never half of one
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    # Atomic: readers see the old card or the new one, never half of one.
+    return write_text(model_dir / MODEL_CARD, str(card))

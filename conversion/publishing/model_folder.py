@@ -6,9 +6,11 @@
         configuration_expertize.py, modeling_expertize.py, <one file per layer kind>.py
         tokenizer files
         metrics.json             `expertize upcycle`'s evaluation, "recipe_summary" (the card's Training rows) and
-                                 "lm_eval" (eval.lm_eval_tasks, or added by `expertize eval`)
+                                 "lm_eval" (eval.lm_eval_tasks, or added by `expertize eval`); schema: metrics_schema.py
         recipe.resolved.yaml, provenance.json, plots/, train_log.jsonl     (`expertize upcycle`)
         README.md                the model card, rebuilt from the files above by `refresh_model_card`
+
+The names of the records are run_folder.py's; the card names the base model as local_paths.public_base_model says.
 """
 
 import json
@@ -19,13 +21,18 @@ from typing import Any
 import yaml
 from huggingface_hub import ModelCard
 
-from .card import render_model_card, write_model_card
 from ..errors import ExpertizeError
+from .card import render_model_card, write_model_card
+from .local_paths import public_base_model
+from .metrics_schema import Metrics, load_metrics
+from .run_folder import METRICS, PROVENANCE, RESOLVED_RECIPE, write_json
 
 __all__ = [
     "ModelFolderError",
     "check_model_folder",
+    "load_metrics",
     "read_metrics",
+    "read_provenance",
     "recorded_base_model",
     "refresh_model_card",
     "render_card_from_folder",
@@ -101,15 +108,20 @@ def check_model_folder(model_dir: str | os.PathLike) -> dict[str, Any]:
     return config
 
 
+def read_provenance(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """provenance.json of the folder ({} when it has none)."""
+    path = Path(model_dir) / PROVENANCE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
 def recorded_base_model(model_dir: str | os.PathLike) -> str | None:
-    """The base model a folder was made from: provenance.json's base_model, else recipe.resolved.yaml's."""
+    """The base model a folder was made from, as the run named it (a Hub id or a local path): provenance.json's
+    base_model, else recipe.resolved.yaml's."""
     path = Path(model_dir)
-    provenance = path / "provenance.json"
-    if provenance.is_file():
-        base = json.loads(provenance.read_text(encoding="utf-8")).get("base_model")
-        if base:
-            return str(base)
-    recipe = path / "recipe.resolved.yaml"
+    base = read_provenance(path).get("base_model")
+    if base:
+        return str(base)
+    recipe = path / RESOLVED_RECIPE
     if recipe.is_file():
         base = (yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}).get("base_model")
         if base:
@@ -118,56 +130,65 @@ def recorded_base_model(model_dir: str | os.PathLike) -> str | None:
 
 
 def read_metrics(model_dir: str | os.PathLike) -> dict[str, Any]:
-    """metrics.json of the folder ({} when it has none)."""
-    path = Path(model_dir) / "metrics.json"
+    """metrics.json of the folder as a plain dict ({} when it has none); `load_metrics` gives the typed view."""
+    path = Path(model_dir) / METRICS
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
-def write_metrics(model_dir: str | os.PathLike, metrics: dict[str, Any]) -> Path:
-    """Replace metrics.json atomically (readers see the old file or the new one)."""
-    path = Path(model_dir) / "metrics.json"
-    tmp = path.with_name(f".metrics.json.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(metrics, indent=2), encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+def write_metrics(model_dir: str | os.PathLike, metrics: dict[str, Any] | Metrics) -> Path:
+    """Replace metrics.json atomically, as strict JSON (a non-finite float is written as null)."""
+    path = Path(model_dir) / METRICS
+    write_json(path, metrics.to_dict() if isinstance(metrics, Metrics) else metrics)
     return path
 
 
-def _card_inputs(model_dir: Path, base_model: str | None) -> dict[str, Any]:
+def _card_inputs(model_dir: Path, base_model: str | None, public: bool) -> dict[str, Any]:
     config = check_model_folder(model_dir)
     layers = config.get("sparse_layers") or {}
-    base = recorded_base_model(model_dir) or base_model
-    if base is None:
+    recorded = recorded_base_model(model_dir)
+    if recorded is None and base_model is None:
         raise ModelFolderError(
             f"{model_dir} records no base model (no provenance.json or recipe.resolved.yaml); name it (--base)"
         )
-    metrics = read_metrics(model_dir)
-    lm_eval = (metrics.pop("lm_eval", None) or {}).get("tasks") or {}
-    summary = metrics.pop("recipe_summary", None) or {}
+    # A Hub base is named (and linked) by its Hub id, also when it was read from a local Hub-cache snapshot. A
+    # local base folder: by its folder name in a public card (no local path leaves the machine), by its path in
+    # the folder's own card (a truthful local record, as provenance.json is).
+    name, is_hub_id = public_base_model(read_provenance(model_dir) if recorded else {}, recorded or base_model)
+    hub_flag: bool | None = is_hub_id
+    if not is_hub_id and not public:
+        name, hub_flag = recorded or base_model, None  # None: the card keeps today's metadata for a local path
+    metrics = load_metrics(model_dir)
+    tasks = metrics.lm_eval.tasks if metrics.lm_eval is not None else {}
+    summary = metrics.recipe_summary
+    metrics.lm_eval, metrics.recipe_summary = None, {}
     return dict(
-        base_model=base,
+        base_model=name,
+        base_model_is_hub_id=hub_flag,
         layers={int(i): spec for i, spec in layers.items()},
         recipe_summary=summary,
-        metrics=metrics or None,
-        lm_eval={task: entry["metrics"] for task, entry in lm_eval.items()},
-        lm_eval_details={task: {k: v for k, v in entry.items() if k != "metrics"} for task, entry in lm_eval.items()},
+        metrics=metrics if metrics.evaluated else None,
+        lm_eval={task: {key: m.to_dict() for key, m in entry.metrics.items()} for task, entry in tasks.items()},
+        lm_eval_details={task: entry.details() for task, entry in tasks.items()},
     )
 
 
 def render_card_from_folder(
-    model_dir: str | os.PathLike, *, base_model: str | None = None, repo_id: str | None = None
+    model_dir: str | os.PathLike, *, base_model: str | None = None, repo_id: str | None = None, public: bool = True
 ) -> ModelCard:
     """The model card (`huggingface_hub.ModelCard`) of a saved folder, from its config, metrics and recipe;
-    `base_model` is used only when the folder records none."""
+    `base_model` is used only when the folder records none. `public` (the card `expertize push` uploads): a local
+    base is named by its folder name, never its path."""
     model_dir = Path(model_dir)
-    return render_model_card(model_dir, repo_id=repo_id, **_card_inputs(model_dir, base_model))
+    return render_model_card(model_dir, repo_id=repo_id, **_card_inputs(model_dir, base_model, public))
 
 
 def refresh_model_card(
-    model_dir: str | os.PathLike, *, base_model: str | None = None, repo_id: str | None = None
+    model_dir: str | os.PathLike, *, base_model: str | None = None, repo_id: str | None = None,
+    public: bool = False,
 ) -> Path:
-    """Rewrite MODEL_DIR/README.md from the folder's records (after `expertize eval` adds lm-eval results)."""
+    """Rewrite MODEL_DIR/README.md from the folder's records (after `expertize eval` adds lm-eval results).
+
+    The folder's own card names a local base by its path (`public=False`); `expertize push` uploads the public
+    card (`render_card_from_folder`), which never holds a local path."""
     model_dir = Path(model_dir)
-    return write_model_card(model_dir, repo_id=repo_id, **_card_inputs(model_dir, base_model))
+    return write_model_card(model_dir, repo_id=repo_id, **_card_inputs(model_dir, base_model, public))

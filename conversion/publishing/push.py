@@ -13,24 +13,35 @@ What is uploaded: everything in the folder except training leftovers and local-o
 per-document logs `samples_*.jsonl` (large; `include_samples=True` uploads them). The model, remote code,
 tokenizer, metrics.json, the resolved recipe, provenance.json, train_log.jsonl, plots/ and lm-eval's results_*.json
 and comparison files all go up.
+
+Local paths stay local: the uploaded copies of the records (metrics.json, provenance.json, recipe*.yaml, lm_eval/
+JSON and Markdown) name local files `<local>/NAME` and a base model from the Hub by its id (local_paths.py); the
+folder's own files keep the real paths. A machine without the network (HF_HUB_OFFLINE, no connection) gets a
+PushError saying so, not a traceback.
 """
 
+import contextlib
 import fnmatch
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from huggingface_hub import HfApi, get_token
-from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError
 
-from .model_folder import ModelFolderError, check_model_folder, render_card_from_folder
 from ..errors import ExpertizeError
+from .local_paths import public_text
+from .model_folder import (
+    ModelFolderError, check_model_folder, read_provenance, recorded_base_model, render_card_from_folder,
+)
+from .run_folder import CHECKPOINT, LM_EVAL, METRICS, MODEL_CARD, PROVENANCE
 
 __all__ = ["EXCLUDED", "PushError", "files_to_upload", "push_model"]
 
-EXCLUDED = ("checkpoint/*", ".*", "*/.*", "__pycache__/*", "*/__pycache__/*", "*.tmp", "*.pyc")
+EXCLUDED = (f"{CHECKPOINT}/*", ".*", "*/.*", "__pycache__/*", "*/__pycache__/*", "*.tmp", "*.pyc")
 """Relative-path patterns never uploaded (fnmatch; "*" also matches "/")."""
 SAMPLES = "*samples_*.jsonl"
 
@@ -61,24 +72,51 @@ def _card_is_ours(readme: Path) -> bool:
     return "expertize" in (ModelCard.load(readme).data.tags or [])
 
 
+def _is_record(rel: str) -> bool:
+    """The files whose uploaded copy has its local paths replaced: expertize's own records (never the tokenizer
+    or config files, whose strings are data)."""
+    if rel in (METRICS, PROVENANCE) or (rel.startswith("recipe") and rel.endswith((".yaml", ".yml"))):
+        return True
+    return rel.startswith(f"{LM_EVAL}/") and rel.endswith((".json", ".md")) and "samples_" not in rel
+
+
+def _local_roots(model_dir: Path) -> tuple[list[str], dict[str, str]]:
+    """(local folders whose paths must not leave the machine, local base path -> its Hub id when recorded)."""
+    roots: list[str] = [str(model_dir.resolve())]
+    hub_ids = {}
+    base = recorded_base_model(model_dir)
+    if base is not None and os.path.isabs(base):
+        roots.append(base)
+        hub_id = read_provenance(model_dir).get("base_model_hub_id")
+        if hub_id:
+            hub_ids[base] = str(hub_id)
+    return roots, hub_ids
+
+
 def _stage(model_dir: Path, stage: Path, repo_id: str, include_samples: bool) -> None:
-    """Hard-link (or copy across filesystems) the files to upload into `stage`; re-render an expertize card with
-    the real repo id (its loading snippet and model-index name), or render one when the folder has none."""
+    """Hard-link (or copy across filesystems) the files to upload into `stage`; write public copies of the records
+    (local paths replaced); re-render an expertize card with the real repo id (its loading snippet and model-index
+    name), or render one when the folder has none."""
+    roots, hub_ids = _local_roots(model_dir)
     for rel in files_to_upload(model_dir, include_samples=include_samples):
         target = stage / rel
         target.parent.mkdir(parents=True, exist_ok=True)
+        public = public_text(model_dir / rel, roots, hub_ids) if _is_record(rel) else None
+        if public is not None:
+            target.write_text(public, encoding="utf-8", newline="")
+            continue
         try:
             os.link(model_dir / rel, target)
         except OSError:
             shutil.copy2(model_dir / rel, target)
-    if _card_is_ours(model_dir / "README.md"):
+    if _card_is_ours(model_dir / MODEL_CARD):
         try:
             card = render_card_from_folder(model_dir, repo_id=repo_id)
         except ModelFolderError:
             card = None  # no base model recorded: the folder's card (if any) goes up as it is
         if card is not None:
-            (stage / "README.md").unlink(missing_ok=True)  # a hard link: never write through it
-            (stage / "README.md").write_text(str(card), encoding="utf-8", newline="")
+            (stage / MODEL_CARD).unlink(missing_ok=True)  # a hard link: never write through it
+            (stage / MODEL_CARD).write_text(str(card), encoding="utf-8", newline="")
 
 
 def _existing_content(api: HfApi, repo_id: str, revision: str | None) -> str:
@@ -93,7 +131,7 @@ def _existing_content(api: HfApi, repo_id: str, revision: str | None) -> str:
             "another --repo-id under your own namespace"
         ) from None
     if "config.json" not in files:
-        meaningful = [f for f in files if f not in (".gitattributes", "README.md")]
+        meaningful = [f for f in files if f not in (".gitattributes", MODEL_CARD)]
         return "empty" if not meaningful else f"files without a config.json ({', '.join(meaningful[:5])})"
     config = json.loads(Path(api.hf_hub_download(repo_id, "config.json", revision=revision)).read_text("utf-8"))
     model_type = str(config.get("model_type", ""))
@@ -124,6 +162,33 @@ def _create_repo(api: HfApi, repo_id: str, *, private: bool, revision: str | Non
         )
 
 
+def _is_network_error(error: BaseException) -> bool:
+    if isinstance(error, (ConnectionError, TimeoutError)):
+        return True
+    # httpx / requests transport errors (no route, DNS, TLS, timeouts), whichever HTTP client the Hub library uses.
+    names = {cls.__name__ for cls in type(error).__mro__}
+    return bool(names & {"TransportError", "ConnectError", "ConnectTimeout", "NetworkError", "Timeout"})
+
+
+@contextlib.contextmanager
+def _network(repo_id: str) -> Iterator[None]:
+    """Hub calls: offline mode and unreachable networks become a PushError naming the fix."""
+    try:
+        yield
+    except OfflineModeIsEnabled:
+        raise PushError(
+            f"cannot push to {repo_id}: offline mode is on (HF_HUB_OFFLINE is set); unset HF_HUB_OFFLINE (e.g. "
+            "`HF_HUB_OFFLINE=0 expertize push ...`) on a machine that can reach huggingface.co"
+        ) from None
+    except Exception as e:
+        if not _is_network_error(e):
+            raise
+        raise PushError(
+            f"cannot reach the Hugging Face Hub to push {repo_id} ({type(e).__name__}: {e}); check the network "
+            "connection (or HF_ENDPOINT) and run the same command again"
+        ) from None
+
+
 def push_model(
     model_dir: str | os.PathLike,
     repo_id: str,
@@ -150,11 +215,12 @@ def push_model(
         )
     check_model_folder(model_dir)
     api = HfApi(token=token)
-    _create_repo(api, repo_id, private=private, revision=revision)
-    if revision is not None:
-        api.create_branch(repo_id, branch=revision, exist_ok=True)
+    with _network(repo_id):
+        _create_repo(api, repo_id, private=private, revision=revision)
+        if revision is not None:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
     # Staged inside the folder (same filesystem: hard links work; hidden: never uploaded itself).
-    with tempfile.TemporaryDirectory(prefix=".push.", dir=model_dir) as tmp:
+    with tempfile.TemporaryDirectory(prefix=".push.", dir=model_dir) as tmp, _network(repo_id):
         _stage(model_dir, Path(tmp), repo_id, include_samples)
         commit = api.upload_folder(
             repo_id=repo_id,
