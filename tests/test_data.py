@@ -1,5 +1,6 @@
 """The data stage: documents, train/eval split, packing, resume, budgets, and the errors a recipe author meets."""
 
+import itertools
 import json
 import math
 import os
@@ -8,11 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
+from expertize.conversion.data.activations import ActivationBatches
+from expertize.conversion.data.check import check_data
 from expertize.conversion.data.text import (
     DataConfig,
+    DataError,
     batch_sequences,
     document_in_eval,
     iter_documents,
@@ -23,6 +27,7 @@ from expertize.conversion.data.text import (
     split_documents,
     token_budget_to_sequences,
 )
+from expertize.conversion.errors import ExpertizeError
 
 NUM_DOCS = 200
 WORDS = [f"w{i}" for i in range(20)]
@@ -356,3 +361,174 @@ def test_stories260k_real_tokenizer_and_corpus():
         assert ((seqs >= 0) & (seqs < tok.vocab_size)).all()
     first_held_out_document = next(split_documents(cfg).eval())
     assert tok.decode(held_out[0], skip_special_tokens=True).strip()[:40] == first_held_out_document[:40]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Up-front checks (check_data): what the corpus can give the run, before any training
+
+
+def _sequences_training_reads(cfg: DataConfig, tokenizer) -> int:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return sum(1 for _ in iter_sequences(cfg, tokenizer, split="train"))
+
+
+@pytest.mark.parametrize("bos", [True, False])
+def test_check_data_counts_exactly_what_training_reads(corpus, bos):
+    """The largest budget check_data accepts is exactly the train stream's length: one token more is refused."""
+    tok = make_tokenizer(bos=bos)
+    cfg = data_config(corpus, train_tokens=10**6)
+    available = _sequences_training_reads(cfg, tok)  # the whole train split, shuffled as training reads it
+    assert 0 < available < token_budget_to_sequences(10**6, T)
+    with pytest.raises(DataError) as info:
+        check_data(cfg, tok)
+    message = str(info.value)
+    assert f"the train split holds only {available * T:,} tokens" in message
+    assert f"pack into {available:,} sequences of data.context_length={T}" in message
+    assert f"lower data.train_tokens to at most {available * T:,}, or add text to the corpus" in message
+    assert "zero tokens" not in message
+
+    report = check_data(cfg, tok, train_tokens=available * T)
+    assert report.train_sequences == report.train_sequences_needed == available
+    assert report.add_bos is bos and not report.streamed
+    with pytest.raises(DataError, match=f"at most {available * T:,}"):
+        check_data(cfg, tok, train_tokens=available * T + 1)
+
+
+def test_check_data_passes_a_sufficient_corpus_and_stops_early(corpus, tokenizer):
+    cfg = data_config(corpus)  # 100 sequences of T out of ~190 available
+    report = check_data(cfg, tokenizer)
+    assert (report.train_sequences, report.train_sequences_needed) == (100, 100)
+    assert (report.eval_sequences, report.eval_sequences_wanted) == (4, 4)
+    assert "train split covers 100 sequences of 16 tokens (1,600 tokens)" in report.summary()
+    assert isinstance(DataError("x"), ExpertizeError)
+
+
+def test_check_data_names_the_budget_key_it_checks(corpus, tokenizer):
+    cfg = data_config(corpus)
+    with pytest.raises(DataError, match=r"fewer than the 62,500 that heal.tokens=1,000,000 needs; lower heal.tokens"):
+        check_data(cfg, tokenizer, train_tokens=1_000_000, train_key="heal.tokens")
+
+
+def test_check_data_empty_held_out_split_blank_line_without_blank_lines(tmp_path, tokenizer):
+    """One file without blank lines read with document_separator: blank_line is one document: nothing held out."""
+    path = tmp_path / "one_paragraph.txt"
+    path.write_text("\n".join(make_documents()) + "\n", encoding="utf-8")
+    cfg = data_config(path, document_separator="blank_line", seed=0)  # document 0 falls in train at seed 0
+    assert not document_in_eval(0, 0, cfg.eval_fraction)
+    with pytest.raises(DataError) as info:
+        check_data(cfg, tokenizer)
+    message = str(info.value)
+    assert "the held-out split is empty" in message and "gives 1 document(s)" in message
+    assert "set data.document_separator: line (one document per line), or raise data.eval_fraction" in message
+    assert check_data(data_config(path, document_separator="line"), tokenizer).eval_sequences == 4
+
+
+def test_check_data_empty_train_split(tmp_path, tokenizer):
+    path = tmp_path / "one.txt"
+    path.write_text(" ".join(WORDS * 10), encoding="utf-8")
+    seed = next(s for s in range(100) if document_in_eval(0, s, 0.2))  # the only document is held out
+    with pytest.raises(DataError, match=r"the train split is empty: all 1 document\(s\).*each file is one document"):
+        check_data(data_config(path, document_separator="file", seed=seed), tokenizer)
+    path.write_text(" ".join(WORDS * 10) + "\n" + " ".join(WORDS), encoding="utf-8")  # two documents
+    both_out = next(s for s in range(1000) if document_in_eval(0, s, 0.2) and document_in_eval(1, s, 0.2))
+    with pytest.raises(DataError, match=r"all 2 document\(s\).*fall in the held-out split.*add documents, or lower "
+                                        r"data.eval_fraction"):
+        check_data(data_config(path, document_separator="line", seed=both_out), tokenizer)
+
+
+def test_check_data_held_out_split_shorter_than_a_sequence(corpus, tokenizer):
+    with pytest.raises(DataError, match=r"held-out split \(\d+ of 200 documents.*less than one sequence of "
+                                        r"data.context_length=100000"):
+        check_data(data_config(corpus, context_length=100_000), tokenizer)
+
+
+def _tokenizer_yielding_nothing() -> PreTrainedTokenizerFast:
+    """A broken tokenizer: its normalizer deletes every character, so every document becomes zero tokens."""
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "</s>": 1}, unk_token="[UNK]"))
+    backend.normalizer = normalizers.Replace(Regex(r"[\s\S]"), "")
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="[UNK]")
+
+
+def test_check_data_reports_a_tokenizer_yielding_zero_tokens(corpus):
+    with pytest.raises(DataError) as info:
+        check_data(data_config(corpus), _tokenizer_yielding_nothing())
+    message = str(info.value)
+    assert "turns all 32 documents of the first documents of data.paths" in message
+    assert "into zero tokens" in message and "tokenizer files" in message
+    assert "add text" not in message
+
+
+def test_check_data_unreadable_and_missing_files(tmp_path, corpus, tokenizer):
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9 w1 w2\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"'.*latin1.txt' is not UTF-8 text \(invalid continuation byte at byte 3\); "
+                                        r"convert it to UTF-8"):
+        check_data(data_config(latin1), tokenizer)
+    cfg = data_config(corpus)
+    corpus.unlink()  # removed after the recipe was loaded
+    with pytest.raises(DataError, match=f"no such file '{corpus}'"):
+        check_data(cfg, tokenizer)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "w1 w2"}\nnot json\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"bad.jsonl:2 is not valid JSON"):
+        check_data(data_config(bad, source="jsonl"), tokenizer)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n  \n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"holds no document \(no non-empty text\); add text"):
+        check_data(data_config(empty), tokenizer)
+
+
+def test_check_data_streamed_hub_corpus_is_probed_not_counted(monkeypatch, tokenizer):
+    datasets = pytest.importorskip("datasets")
+    records = [{"text": doc} for doc in make_documents(50)]
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, config, split, streaming: iter(records))
+    cfg = DataConfig(source="hub", name="org/corpus", context_length=T, train_tokens=10**9)
+    report = check_data(cfg, tokenizer)  # far more than 50 documents give: checked while streaming instead
+    assert report.streamed and report.train_sequences is None and report.eval_sequences is None
+    assert "checked while streaming" in report.summary()
+    with pytest.raises(DataError, match="into zero tokens"):
+        check_data(cfg, _tokenizer_yielding_nothing())
+
+    def offline(name, config, split, streaming):
+        raise ConnectionError("offline mode is enabled")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DataError, match=r"cannot read the hub dataset 'org/corpus'.*ConnectionError.*HF_HUB_OFFLINE"):
+        check_data(cfg, tokenizer)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Activation batches: every token of the budget reaches a step
+
+
+def _token_capture(input_ids: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """A stand-in for MlpCapture: x = y = the token ids, (B*T, 1), so batches can be traced back to tokens."""
+    ids = input_ids.reshape(-1, 1).float()
+    return {0: (ids, ids)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_activation_batches_cover_the_budget_when_chunks_are_not_whole_steps(corpus, tokenizer, world_size):
+    """Chunks of 6 sequences x 16 tokens = 96 tokens are not whole steps of 40: steps span chunks, no token is
+    dropped, so ceil(train_tokens / T) sequences give train_tokens // tokens_per_step steps; resuming at any step
+    gives the tail of the full run."""
+    tokens_per_step, train_tokens = 40, 40 * 32  # 80 sequences: whole sequences for every rank
+    cfg = data_config(corpus, train_tokens=train_tokens)
+
+    def make(rank: int) -> ActivationBatches:
+        return ActivationBatches(
+            _token_capture, lambda start: iter_sequences(cfg, tokenizer, "train", start), context_length=T,
+            tokens_per_step=tokens_per_step, shuffle_buffer_tokens=90, capture_batch_sequences=4, seed=1,
+            device=torch.device("cpu"), rank=rank, world_size=world_size,
+        )
+
+    steps = train_tokens // tokens_per_step
+    for rank in range(world_size):
+        full = [b[0][0] for b in itertools.islice(make(rank).batches(), steps)]
+        assert len(full) == steps and all(x.shape == (tokens_per_step // world_size, 1) for x in full)
+        for start in (1, 2, 7, steps - 1):
+            resumed = [b[0][0] for b in itertools.islice(make(rank).batches(start), steps - start)]
+            assert all(torch.equal(a, b) for a, b in zip(resumed, full[start:], strict=True))
+    assert len(list(make(world_size - 1).batches())) == steps  # then the text ends (the trainer reports it)

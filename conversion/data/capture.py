@@ -12,18 +12,11 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 
-from expertize.modeling import FAMILIES
-
-from ..surgery.splice import base_family
+from ..surgery.families import decoder_blocks  # callers import it from here too
 
 
 class _StopForward(Exception):
     """Raised by the hook on the last target MLP to end the forward pass early."""
-
-
-def decoder_blocks(model: nn.Module) -> nn.ModuleList:
-    """The decoder blocks of a base or expertize causal LM of any supported family."""
-    return model.get_submodule(FAMILIES[base_family(model.config.model_type)][2]._blocks_path)
 
 
 @contextlib.contextmanager

@@ -29,8 +29,11 @@ from typing import Any, Literal
 
 import torch
 
+from ..errors import ExpertizeError
+
 __all__ = [
     "DataConfig",
+    "DataError",
     "DocumentSplit",
     "batch_sequences",
     "document_in_eval",
@@ -51,6 +54,11 @@ DOCUMENT_SEPARATORS = ("line", "blank_line", "file")
 Split = Literal["train", "eval"]
 TOKENIZE_BATCH_DOCUMENTS = 256
 """Documents handed to the tokenizer per call (fast tokenizers are much quicker on batches)."""
+
+
+class DataError(ExpertizeError, ValueError):
+    """The corpus cannot give what the recipe asks of it (unreadable file, too little text, empty held-out split,
+    a tokenizer that yields no tokens); the message names the fix."""
 
 
 @dataclass
@@ -191,8 +199,22 @@ def iter_documents(cfg: DataConfig) -> Iterator[str]:
         yield from _hub_documents(cfg)
         return
     read = {"text": _text_documents, "jsonl": _jsonl_documents, "parquet": _parquet_documents}[cfg.source]
-    for path in resolve_paths(cfg.paths):
-        yield from read(path, cfg)
+    try:
+        files = resolve_paths(cfg.paths)
+    except OSError as e:  # a file removed since the recipe was loaded
+        raise DataError(str(e)) from e
+    for path in files:
+        try:
+            yield from read(path, cfg)
+        except UnicodeDecodeError as e:
+            raise DataError(
+                f"data.paths: {path!r} is not UTF-8 text ({e.reason} at byte {e.start:,}); convert it to UTF-8 "
+                "(e.g. iconv -t UTF-8) or remove it from data.paths"
+            ) from e
+        except OSError as e:
+            raise DataError(
+                f"data.paths: cannot read {path!r} ({e.strerror or e}); check that it exists and is readable"
+            ) from e
 
 
 def _text_documents(path: str, cfg: DataConfig) -> Iterator[str]:
@@ -224,7 +246,7 @@ def _jsonl_documents(path: str, cfg: DataConfig) -> Iterator[str]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(
+                raise DataError(
                     f"{path}:{line_number} is not valid JSON ({e}); data.source='jsonl' wants one JSON object per line"
                 ) from e
             text = _record_text(record, cfg.text_column, f"{path}:{line_number}")
@@ -235,7 +257,12 @@ def _jsonl_documents(path: str, cfg: DataConfig) -> Iterator[str]:
 def _parquet_documents(path: str, cfg: DataConfig) -> Iterator[str]:
     import pyarrow.parquet as pq
 
-    parquet = pq.ParquetFile(path)
+    try:
+        parquet = pq.ParquetFile(path)
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise DataError(
+            f"data.paths: {path!r} is not a readable parquet file ({e}); fix the file or set data.source to its format"
+        ) from e
     columns = parquet.schema_arrow.names
     if cfg.text_column not in columns:
         raise _missing_column_error(cfg.text_column, columns, path)
@@ -259,7 +286,7 @@ def _hub_documents(cfg: DataConfig) -> Iterator[str]:
 
 def _record_text(record: Any, column: str, where: str) -> str | None:
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a record (JSON object), got {type(record).__name__}")
+        raise DataError(f"{where}: expected a record (JSON object), got {type(record).__name__}")
     if column not in record:
         raise _missing_column_error(column, list(record), where)
     return _check_text(record[column], column, where)
@@ -267,14 +294,14 @@ def _record_text(record: Any, column: str, where: str) -> str | None:
 
 def _check_text(text: Any, column: str, where: str) -> str | None:
     if text is not None and not isinstance(text, str):
-        raise ValueError(
+        raise DataError(
             f"{where}: column {column!r} holds {type(text).__name__}, not text; set data.text_column to a text column"
         )
     return text if text and text.strip() else None
 
 
-def _missing_column_error(column: str, found: list[str], where: str) -> ValueError:
-    return ValueError(
+def _missing_column_error(column: str, found: list[str], where: str) -> DataError:
+    return DataError(
         f"{where}: no text column {column!r}; the columns found are {found}; set data.text_column to one of them"
     )
 
@@ -337,7 +364,7 @@ def resolve_add_bos(cfg: DataConfig, tokenizer) -> bool:
     if cfg.add_bos == "auto":
         return has_bos
     if cfg.add_bos and not has_bos:
-        raise ValueError(
+        raise DataError(
             f"data.add_bos=true but the tokenizer {type(tokenizer).__name__} has no BOS token; "
             "set data.add_bos to 'auto' or false, or give the tokenizer a bos_token"
         )
@@ -457,7 +484,7 @@ def load_eval_sequences(cfg: DataConfig, tokenizer) -> torch.LongTensor:
     docs = split_documents(cfg).eval()
     sequences = list(itertools.islice(pack_sequences(docs, tokenizer, cfg, "eval"), wanted))
     if not sequences:
-        raise ValueError(
+        raise DataError(
             f"the held-out documents (data.eval_fraction={cfg.eval_fraction}, data.seed={cfg.seed}) do not fill a "
             f"single sequence of data.context_length={cfg.context_length} tokens; add text, raise data.eval_fraction "
             "or lower data.context_length"
