@@ -11,8 +11,9 @@ import yaml
 def run_upcycle(tree: dict, source: str) -> tuple[dict, float | None, list[str]]:
     """Run (or reuse) one upcycle of the recipe `tree`; returns (metrics, seconds or None when reused, the distinct
     warnings raised). A finished folder of a *different* recipe is an error, never silently reused."""
-    from expertize.conversion.recipe.schema import recipe_from_dict, recipe_to_dict
-    from expertize.conversion.upcycle import RESOLVED_RECIPE, upcycle
+    from expertize.conversion.recipe import recipe_from_dict, recipe_to_dict
+    from expertize.conversion.publishing.run_folder import RESOLVED_RECIPE
+    from expertize.conversion.upcycle import upcycle
 
     recipe = recipe_from_dict(tree, source=source)
     out = Path(recipe.output_dir)

@@ -240,7 +240,7 @@ def init_layers(tree: dict, base, layer_ids: list[int]) -> dict:
     reads W_enc and b_enc, is reported at init)."""
     from expertize.conversion.data.capture import decoder_blocks
     from expertize.conversion.surgery.dense_init import init_moe_from_dense
-    from expertize.conversion.recipe.schema import recipe_from_dict, resolve_layer_spec
+    from expertize.conversion.recipe import recipe_from_dict, resolve_layer_spec
     from expertize.modeling import FAMILIES, build_sparse_layer
 
     recipe = recipe_from_dict(tree)

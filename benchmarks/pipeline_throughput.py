@@ -24,9 +24,9 @@ from accelerate import Accelerator
 from expertize.conversion.data.capture import MlpCapture
 from expertize.conversion.data.text import iter_sequences
 from expertize.conversion.evaluation.metrics import LOSSES
-from expertize.conversion.recipe.schema import load_recipe, resolve_layer_spec
+from expertize.conversion.recipe import load_recipe, resolve_layer_spec
 from expertize.conversion.surgery.splice import base_family, load_base_model
-from expertize.conversion.training.engine import SparseStack, Trainer
+from expertize.conversion.training.distill import SparseStack, Trainer
 from expertize.conversion.upcycle import activation_batches
 from expertize.modeling import FAMILIES, build_sparse_layer
 from transformers import AutoTokenizer

@@ -232,7 +232,7 @@ def train_student(student: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: floa
     """`epochs` passes over (x, y), each in its own seeded order: Adam, MSE, cosine decay to 0 over all steps, b_dec =
     mean output of the first batch."""
     from expertize.conversion.evaluation.metrics import LOSSES
-    from expertize.conversion.recipe.schema import TrainConfig
+    from expertize.conversion.recipe import TrainConfig
     from expertize.conversion.training.engine import lr_lambda
 
     per_epoch = x.shape[0] // tokens_per_step

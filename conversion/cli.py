@@ -1,10 +1,10 @@
 """`expertize` command line: one entry point, subcommands that are thin layers over the Python API.
 
     expertize upcycle RECIPE.yaml        distil, evaluate, save a Hub-loadable folder      (conversion/upcycle.py)
-    expertize eval MODEL_DIR --tasks ..  lm-eval on the model and its base, side by side  (conversion/benchmark.py)
-    expertize tasks TEXT --name NAME     offline perplexity + cloze tasks from any text   (conversion/offline_tasks.py)
-    expertize plot-sweep DIR ... --metric M   metric vs K per method                      (conversion/sweep.py)
-    expertize push MODEL_DIR --repo-id U/N    upload to the Hugging Face Hub              (conversion/push.py)
+    expertize eval MODEL_DIR --tasks ..  lm-eval on the model and its base, side by side  (conversion/harness/)
+    expertize tasks TEXT --name NAME     offline perplexity + cloze tasks from any text   (conversion/harness/)
+    expertize plot-sweep DIR ... --metric M   metric vs K per method                      (conversion/evaluation/)
+    expertize push MODEL_DIR --repo-id U/N    upload to the Hugging Face Hub              (conversion/publishing/)
 
 Heavy imports (torch, transformers, lm_eval) happen inside the subcommands, so `--help` stays fast.
 """
@@ -13,16 +13,20 @@ import argparse
 import os
 import sys
 
-from .recipe.schema import RecipeError
+from .errors import ExpertizeError
 
 
 def _upcycle(args: argparse.Namespace) -> int:
-    from .recipe.schema import load_recipe
-    from .upcycle import upcycle
+    from .recipe import load_recipe
+    from .upcycle import upcycle, upcycle_summary
+
+    from .progress import quiet_library_progress
 
     recipe = load_recipe(args.recipe, args.set)
-    out = upcycle(recipe, progress=not args.no_progress)
+    with quiet_library_progress(args.no_progress):
+        out = upcycle(recipe, progress=not args.no_progress, restart=args.restart, log=_stderr)
     if os.environ.get("RANK", "0") == "0":  # one report under data-parallel launches
+        print(upcycle_summary(out))
         print(f"expertize: wrote {out}")
     return 0
 
@@ -204,12 +208,17 @@ def build_parser() -> argparse.ArgumentParser:
         "Data-parallel: `accelerate launch --multi_gpu -m expertize upcycle RECIPE` on GPUs, "
         "`torchrun --nproc_per_node N -m expertize upcycle RECIPE` on CPUs (gloo).",
     )
-    up.add_argument("recipe", help="recipe YAML (see recipes/)")
+    up.add_argument("recipe", help="recipe YAML, or the name of a recipe shipped with expertize (e.g. quickstart)")
     up.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="override a recipe value, e.g. --set train.lr=3e-4 --set layers=[2,3] (repeatable)",
     )
-    up.add_argument("--no-progress", action="store_true", help="no progress bars")
+    up.add_argument("--no-progress", action="store_true", help="no progress bars (ours and the libraries')")
+    up.add_argument(
+        "--restart", action="store_true",
+        help="discard the unfinished run in output_dir (its checkpoint and logs) and start over; a finished run "
+        "is never deleted",
+    )
     up.set_defaults(func=_upcycle)
     _add_eval(sub)
     _add_tasks(sub)
@@ -222,9 +231,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (RecipeError, FileExistsError, FileNotFoundError, ValueError) as err:
+    except ExpertizeError as err:
+        # Input refused up front exits 2 (nothing was written); a run that started and failed says what it kept.
+        print(f"expertize {args.command}: error: {err}", file=sys.stderr)
+        return getattr(err, "exit_code", 2)
+    except (FileExistsError, FileNotFoundError, ValueError) as err:
         print(f"expertize {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        resume = " Run the same command again to resume from the last checkpoint." if args.command == "upcycle" else ""
+        print(f"expertize {args.command}: interrupted.{resume}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

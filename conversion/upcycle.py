@@ -1,172 +1,208 @@
 """`expertize upcycle RECIPE`: distil sparse layers for the chosen MLPs, evaluate, and write a publishable folder.
 
-    recipe -> base model + tokenizer -> packed text -> captured (x, y) -> train -> evaluate -> splice -> save
+    preflight (everything checkable: base config, layers, spec, device, memory, corpus, lm-eval tasks)
+      -> claim the run folder -> base model -> sparse layers (+ init from the dense MLP)
+      -> distil (captured activations) -> heal (optional, end to end) -> evaluate -> assemble and publish
 
 The output folder loads with `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` and also holds
-metrics.json, recipe.resolved.yaml, provenance.json (versions, seed, git commit), plots/ and README.md (model card);
-with `eval.lm_eval_tasks`, lm_eval/ holds the harness's files for the base and the spliced model (benchmark.py).
-While training, `checkpoint/` holds the resumable state; running the same command again resumes from it.
+metrics.json, recipe.resolved.yaml, provenance.json, plots/ and README.md (model card); the folder's layout is
+`publishing/run_folder.py`'s. While training, `checkpoint/` holds the resumable state; running the same command
+again resumes from it, and `restart=True` (`--restart`) discards it.
 """
 
-import json
-import platform
-import shutil
-import subprocess
-import tempfile
-from importlib import metadata
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import yaml
-from transformers import AutoTokenizer
 
-from expertize import __version__
-from expertize.modeling import FAMILIES, SparseLayer, build_sparse_layer
+from expertize.modeling import SparseLayer, build_sparse_layer
 
 from .data.activations import ActivationBatches
-from .harness.folder_eval import LmEvalPlan
-from .data.capture import MlpCapture, decoder_blocks
-from .data.text import iter_sequences, load_eval_sequences, token_budget_to_sequences
-from .surgery.dense_init import init_moe_from_dense
+from .data.capture import MlpCapture
+from .data.text import iter_sequences, load_eval_sequences
+from .errors import RunFailed
 from .evaluation.evaluate import evaluate_sparse_layers, spliced_ce
-from .training.heal import Healer
+from .preflight import RunPlan, plan_run
+from .publishing.metrics_schema import load_metrics
 from .publishing.model_folder import refresh_model_card
-from .recipe.schema import Recipe, recipe_to_dict, resolve_layer_spec, resolve_layers
-from .surgery.splice import base_family, load_base_model, splice
-from .training.engine import Trainer
+from .publishing.records import provenance, recipe_summary
+from .publishing.run_folder import PROVENANCE, RESOLVED_RECIPE, RunFolder
+from .recipe import Recipe, recipe_to_dict
+from .surgery.dense_init import init_moe_from_dense
+from .surgery.families import decoder_blocks
+from .surgery.splice import load_base_model, splice
+from .training.device import make_accelerator, world_size
+from .training.distill import Trainer
+from .training.errors import RunInterrupted
+from .training.heal import Healer
+from .training.log import plot_loss_curve
 
-RESOLVED_RECIPE = "recipe.resolved.yaml"
-PACKAGES = ("torch", "transformers", "accelerate", "datasets", "safetensors", "huggingface-hub", "peft", "lm-eval")
+Log = Callable[[str], None]
+LOSS_PLOT = "loss.png"
 
 
-def upcycle(recipe: Recipe, *, progress: bool = True) -> Path:
-    """Run the whole pipeline for `recipe`; returns the output folder. Resumes an interrupted run in place."""
-    from accelerate import Accelerator
-
-    out = Path(recipe.output_dir)
-    lm_eval_plan = LmEvalPlan.from_eval_config(recipe.eval)  # unknown task names fail now, not after training
-    _prepare_output_dir(out, recipe)
-    accelerator = Accelerator(cpu=recipe.train.device == "cpu")
-    torch.manual_seed(recipe.train.seed)
-
-    base = load_base_model(recipe.base_model, dtype=getattr(torch, recipe.dtype)).to(accelerator.device).eval()
-    base.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(recipe.base_model, revision=recipe.base_revision)
-    family = base_family(base.config.model_type)
-    shape = FAMILIES[family][0].mlp_shape(base.config)
-    layer_ids = resolve_layers(recipe, base.config.num_hidden_layers)
-    spec = resolve_layer_spec(recipe.layer, shape)
-    layers: dict[int, SparseLayer] = {i: build_sparse_layer(spec) for i in layer_ids}
-    init_metrics = eval_sequences = None
-    if recipe.layer.init != "default":
-        _init_from_dense(recipe, base, layers)
-        if accelerator.is_main_process:
-            eval_sequences = load_eval_sequences(recipe.data, tokenizer)  # reused by the final evaluation
-            init_metrics = spliced_ce(base, layers, eval_sequences, recipe.eval.batch_sequences)
-
-    train, data = recipe.train, recipe.data
-    if recipe.heal is not None and accelerator.num_processes > 1:
-        raise ValueError(
-            f"heal: end-to-end healing runs on one process, but this run has {accelerator.num_processes}; run the "
-            "recipe without torchrun / accelerate launch, or drop the heal: section"
-        )
-    total_steps, mean_outputs = 0, None
-    if train.distill:
-        total_steps = data.train_tokens // train.tokens_per_step
-        if total_steps < 1:
-            raise ValueError(
-                f"data.train_tokens={data.train_tokens} is less than one step of train.tokens_per_step="
-                f"{train.tokens_per_step}; raise the budget or lower tokens_per_step"
-            )
-        batches = activation_batches(
-            recipe, base, tokenizer, layer_ids, total_steps, accelerator.device,
-            rank=accelerator.process_index, world_size=accelerator.num_processes,
-        )
-        trainer = Trainer(
-            layers, batches, train, total_steps=total_steps, run_dir=out, accelerator=accelerator, progress=progress,
-            init_output_bias=recipe.layer.init == "default",
-        )
-        trainer.fit()
-        trainer.save_checkpoint()  # a run killed during evaluation resumes straight into it
-        mean_outputs = trainer.state.mean_outputs
-    if not accelerator.is_main_process:
-        return out
-
-    healed = healer = None
-    if recipe.heal is not None:
-        # The spliced model trains in float32 whatever dtype produced the activations.
-        spliced = splice(base, layers).float()
-        spliced.config.router_aux_loss_coef = recipe.heal.aux_loss_coef
-        healer = Healer(
-            spliced, base, tokenizer, data, recipe.heal,
-            family=family, run_dir=out, device=accelerator.device, precision=train.precision, progress=progress,
-        )
-        healed = healer.fit()
-        layers = healed.sparse_layers()
-
-    if eval_sequences is None:
-        eval_sequences = load_eval_sequences(data, tokenizer)
-    staging = Path(tempfile.mkdtemp(prefix=".final.", dir=out))
+def upcycle(recipe: Recipe, *, progress: bool = True, restart: bool = False, log: Log | None = None) -> Path:
+    """Run the whole pipeline for `recipe`; returns the output folder. Resumes an interrupted run of the same
+    recipe in place; `restart=True` discards an unfinished run first. `log` receives one-line status messages."""
+    say = log or (lambda message: None)
+    resolved = recipe_to_dict(recipe)
+    folder = RunFolder(recipe.output_dir, is_main_process=_is_main_rank())
+    folder.check_claimable(resolved, restart=restart)  # output_dir problems first: they are the cheapest to find
+    plan = plan_run(recipe, world_size=world_size())
+    accelerator = make_accelerator(plan.device)
+    folder.is_main_process = accelerator.is_main_process
+    if accelerator.is_main_process:
+        folder.claim(resolved, restart=restart)
+    accelerator.wait_for_everyone()
+    if folder.is_resume:
+        say(f"resuming the unfinished run in {folder.root}")
     try:
-        metrics = evaluate_sparse_layers(
-            base,
-            layers,
-            eval_sequences,
-            recipe.eval,
-            plots_dir=staging / "plots",
-            mean_outputs=mean_outputs,
-            spliced_model=healed,
-            progress=progress,
-        )
-        metrics["train"] = {"steps": total_steps, "tokens": total_steps * train.tokens_per_step}
-        if init_metrics is not None:
-            metrics["init"] = {"method": recipe.layer.init, **init_metrics}
-        if healer is not None:
-            metrics["heal"] = healer.summary()
-            model = healed.cpu()
-        else:
-            # Saved in float32 whatever dtype produced the activations (`.float()` is a no-op for a float32 base).
-            model = splice(base.cpu().float(), {i: m.cpu() for i, m in layers.items()})
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        metrics["recipe_summary"] = recipe_summary(recipe, total_steps)  # the card's Training rows, for refreshes
-        if lm_eval_plan is not None:
-            metrics["lm_eval"] = lm_eval_plan.run(
-                model, base, tokenizer, staging, device=accelerator.device, model_name=str(out),
-                base_name=recipe.base_model, log=_tqdm_write if progress else None,
-            )
-        (staging / "metrics.json").write_text(json.dumps(metrics, indent=2), encoding="utf-8")
-        (staging / RESOLVED_RECIPE).write_text(
-            yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, allow_unicode=True), encoding="utf-8"
-        )
-        (staging / "provenance.json").write_text(json.dumps(provenance(recipe), indent=2), encoding="utf-8")
-        refresh_model_card(staging)  # from config.json, metrics.json and provenance.json, as `expertize eval` does
-        _publish(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return out
+        return _run(plan, folder, accelerator, progress=progress, say=say)
+    except KeyboardInterrupt as interrupt:
+        if isinstance(interrupt, RunInterrupted):
+            raise
+        raise RunInterrupted(
+            f"interrupted outside training; the last checkpoint in {folder.checkpoint_dir} is kept. Run the same "
+            "command again to resume"
+        ) from None
 
 
-def _tqdm_write(message: str) -> None:
-    from tqdm.auto import tqdm
+@dataclass
+class Trained:
+    """What training produced: the layers, the distillation's mean MLP outputs (for mean ablation) and summaries."""
 
-    tqdm.write(f"expertize: {message}")
+    layers: dict[int, SparseLayer]
+    steps: int = 0
+    mean_outputs: dict[int, torch.Tensor] | None = None
+    healed_model: torch.nn.Module | None = None
+    heal_summary: dict | None = None
+    init_metrics: dict | None = None
+    eval_sequences: torch.Tensor | None = field(default=None, repr=False)
 
 
-def _init_from_dense(recipe: Recipe, base, layers: dict[int, SparseLayer]) -> None:
-    """Overwrite the layers with the base MLPs' weights (recipe `layer.init: split | copy`)."""
+def _run(plan: RunPlan, folder: RunFolder, accelerator, *, progress: bool, say: Log) -> Path:
+    torch.manual_seed(plan.recipe.train.seed)
+    base = load_base(plan, accelerator.device)
+    trained = build_layers(plan, base, accelerator)
+    distil(plan, base, trained, folder, accelerator, progress=progress, say=say)
+    if not accelerator.is_main_process:
+        return folder.root
+    heal(plan, base, trained, folder, accelerator, progress=progress, say=say)
+    publish(plan, base, trained, folder, accelerator, progress=progress, say=say)
+    return folder.root
+
+
+# -- stages ------------------------------------------------------------------------------------------------------------
+
+
+def load_base(plan: RunPlan, device: torch.device):
+    """The frozen base model on `device`, in the recipe's dtype (it only produces activations)."""
+    base = load_base_model(plan.recipe.base_model, dtype=getattr(torch, plan.recipe.dtype)).to(device).eval()
+    base.requires_grad_(False)
+    return base
+
+
+def build_layers(plan: RunPlan, base, accelerator) -> Trained:
+    """One sparse layer per target layer; `layer.init: split | copy` overwrites them with the base MLPs' weights and
+    records what that costs before any training (ΔCE at initialization)."""
+    recipe = plan.recipe
+    trained = Trained(layers={i: build_sparse_layer(plan.spec) for i in plan.layer_ids})
+    if recipe.layer.init == "default":
+        return trained
     blocks = decoder_blocks(base)
-    for i, layer in layers.items():
+    for i, layer in trained.layers.items():
         init_moe_from_dense(
-            layer,
-            blocks[i].mlp,
-            recipe.layer.init,
-            clustering=recipe.layer.init_clustering,
-            noise_std=recipe.layer.init_noise,
-            seed=recipe.train.seed + i,
+            layer, blocks[i].mlp, recipe.layer.init,
+            clustering=recipe.layer.init_clustering, noise_std=recipe.layer.init_noise, seed=recipe.train.seed + i,
             # The recipe states the activation (auto keeps the MLP's), so a switch to ReLU here is intended.
             allow_activation_change=True,
         )
+    if accelerator.is_main_process:
+        trained.eval_sequences = load_eval_sequences(recipe.data, plan.tokenizer)  # reused by the final evaluation
+        trained.init_metrics = {
+            "method": recipe.layer.init,
+            **spliced_ce(base, trained.layers, trained.eval_sequences, recipe.eval.batch_sequences),
+        }
+    return trained
+
+
+def distil(plan: RunPlan, base, trained: Trained, folder: RunFolder, accelerator, *, progress: bool, say: Log) -> None:
+    """Layer-wise distillation from captured activations (skipped with `train.distill: false`)."""
+    recipe = plan.recipe
+    if not recipe.train.distill:
+        return
+    batches = activation_batches(
+        recipe, base, plan.tokenizer, plan.layer_ids, plan.distill_steps, accelerator.device,
+        rank=accelerator.process_index, world_size=accelerator.num_processes,
+    )
+    trainer = Trainer(
+        trained.layers, batches, recipe.train, total_steps=plan.distill_steps, accelerator=accelerator,
+        checkpoint_path=folder.train_state, log_path=folder.train_log, progress=progress,
+        init_output_bias=recipe.layer.init == "default", log=say,
+    )
+    trainer.fit()
+    trainer.save_checkpoint()  # a run killed during evaluation resumes straight into it
+    trained.steps, trained.mean_outputs = plan.distill_steps, trainer.mean_outputs
+
+
+def heal(plan: RunPlan, base, trained: Trained, folder: RunFolder, accelerator, *, progress: bool, say: Log) -> None:
+    """End-to-end healing of the spliced model (the recipe's `heal:` section), on one process."""
+    recipe = plan.recipe
+    if recipe.heal is None:
+        return
+    # The spliced model trains in float32 whatever dtype produced the activations.
+    spliced = splice(base, trained.layers).float()
+    spliced.config.router_aux_loss_coef = recipe.heal.aux_loss_coef
+    healer = Healer(
+        spliced, base, plan.tokenizer, recipe.data, recipe.heal, family=plan.family, device=accelerator.device,
+        checkpoint_path=folder.heal_state, log_path=folder.heal_log, precision=recipe.train.precision,
+        progress=progress, log=say,
+    )
+    trained.healed_model = healer.fit()
+    trained.layers = trained.healed_model.sparse_layers()
+    trained.heal_summary = healer.summary()
+
+
+def publish(plan: RunPlan, base, trained: Trained, folder: RunFolder, accelerator, *, progress: bool, say: Log) -> None:
+    """Evaluate, save the model and its records into a staging folder, and move it in (metrics.json last)."""
+    recipe = plan.recipe
+    if trained.eval_sequences is None:
+        trained.eval_sequences = load_eval_sequences(recipe.data, plan.tokenizer)
+    with folder.staging() as stage:
+        metrics = evaluate_sparse_layers(
+            base, trained.layers, trained.eval_sequences, recipe.eval, plots_dir=stage.plots_dir,
+            mean_outputs=trained.mean_outputs, spliced_model=trained.healed_model, progress=progress,
+        )
+        plot_loss_curve([folder.train_log, folder.heal_log], stage.plots_dir / LOSS_PLOT)
+        metrics["train"] = {"steps": trained.steps, "tokens": trained.steps * recipe.train.tokens_per_step}
+        if trained.init_metrics is not None:
+            metrics["init"] = trained.init_metrics
+        if trained.heal_summary is not None:
+            metrics["heal"] = trained.heal_summary
+            model = trained.healed_model.cpu()
+        else:
+            # Saved in float32 whatever dtype produced the activations (`.float()` is a no-op for a float32 base).
+            model = splice(base.cpu().float(), {i: m.cpu() for i, m in trained.layers.items()})
+        model.save_pretrained(stage.path)
+        plan.tokenizer.save_pretrained(stage.path)
+        metrics["recipe_summary"] = recipe_summary(recipe, trained.steps)  # the card's Training rows
+        if plan.lm_eval is not None:
+            metrics["lm_eval"] = plan.lm_eval.run(
+                model, base, plan.tokenizer, stage.path, device=accelerator.device, model_name=str(folder.root),
+                base_name=recipe.base_model, log=say if progress else None,
+            )
+        nulled = stage.write_metrics(metrics)
+        if nulled:
+            raise RunFailed(
+                f"the evaluation of the trained model gave non-finite values ({', '.join(nulled[:5])}), so the "
+                f"result is broken and was not published; the training checkpoint in {folder.checkpoint_dir} is "
+                "kept. Check train.precision / dtype (bf16 overflow), or lower train.lr and start over with --restart"
+            )
+        stage.write_yaml(RESOLVED_RECIPE, recipe_to_dict(recipe))
+        stage.write_json(PROVENANCE, provenance(recipe, device=accelerator.device))
+        refresh_model_card(stage.path)  # from config.json, metrics.json and provenance.json, as `expertize eval` does
+        folder.publish(stage)
 
 
 def activation_batches(
@@ -190,91 +226,12 @@ def activation_batches(
     )
 
 
-def _prepare_output_dir(out: Path, recipe: Recipe) -> None:
-    """Fresh folder, or resume a run of the *same* recipe; never mix two runs in one folder."""
-    resolved = recipe_to_dict(recipe)
-    saved = out / "checkpoint" / RESOLVED_RECIPE
-    if (out / "metrics.json").exists():
-        raise FileExistsError(f"{out} already holds a finished run (metrics.json); choose another output_dir")
-    if saved.is_file():
-        previous = yaml.safe_load(saved.read_text(encoding="utf-8"))
-        changed = _diff_keys(previous, resolved)
-        if changed:
-            raise ValueError(
-                f"{out} holds an unfinished run of a different recipe (differs at {', '.join(changed)}); resume it "
-                "with the same recipe, or choose another output_dir"
-            )
-        return
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} exists and is not an expertize run folder; choose another output_dir")
-    saved.parent.mkdir(parents=True, exist_ok=True)
-    saved.write_text(yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True), encoding="utf-8")
+def upcycle_summary(folder: str | Path) -> str:
+    """The key results of a finished run folder, a few lines for the end of `expertize upcycle`."""
+    return "\n".join(f"expertize: {line}" for line in load_metrics(folder).summary_lines())
 
 
-def _diff_keys(a, b, prefix: str = "") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        return [k for key in sorted(set(a) | set(b)) for k in _diff_keys(a.get(key), b.get(key), f"{prefix}{key}.")]
-    return [] if a == b else [prefix.rstrip(".")]
+def _is_main_rank() -> bool:
+    import os
 
-
-def _publish(staging: Path, out: Path) -> None:
-    """Move the finished files into the output folder (metrics.json last: it marks the run complete)."""
-    names = sorted(p.name for p in staging.iterdir() if p.name != "metrics.json") + ["metrics.json"]
-    for name in names:
-        target = out / name
-        if target.is_dir():
-            shutil.rmtree(target)
-        (staging / name).replace(target)
-    shutil.rmtree(out / "checkpoint", ignore_errors=True)
-
-
-def recipe_summary(recipe: Recipe, total_steps: int) -> dict:
-    data, train, heal = recipe.data, recipe.train, recipe.heal
-    source = data.name if data.source == "hub" else ", ".join(Path(p).name for p in data.paths)
-    healing = {}
-    if heal is not None:
-        rest = f"LoRA r={heal.lora_r} on {heal.lora_target_modules}, merged" if heal.rest == "lora" else "frozen"
-        healing = {
-            "healing": f"end to end, {heal.objective} objective, {heal.tokens:,} tokens, lr {heal.lr}; rest of the "
-            f"model {rest}",
-        }
-    return {
-        "training tokens": total_steps * train.tokens_per_step,
-        "steps": total_steps,
-        "tokens per step": train.tokens_per_step,
-        "context length": data.context_length,
-        "data": f"{data.source}: {source}",
-        "loss": train.loss,
-        "optimizer": f"AdamW (lr {train.lr}, warmup {train.warmup_steps}, {train.schedule})",
-        "precision": train.precision,
-        "seed": train.seed,
-        **healing,
-    }
-
-
-def provenance(recipe: Recipe) -> dict:
-    versions = {}
-    for name in PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return {
-        "expertize": __version__,
-        "git_commit": _git_commit(),
-        "python": platform.python_version(),
-        "packages": versions,
-        "seed": recipe.train.seed,
-        "base_model": recipe.base_model,
-        "base_revision": recipe.base_revision,
-        "eval_sequences_per_token_budget": token_budget_to_sequences(recipe.data.eval_tokens, recipe.data.context_length),
-    }
-
-
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
+    return os.environ.get("RANK", "0") == "0"

@@ -19,7 +19,7 @@ from expertize.conversion.evaluation.metrics import (
     nmse_paper,
     relative_mse,
 )
-from expertize.conversion.recipe.schema import EvalConfig
+from expertize.conversion.recipe import EvalConfig
 from expertize.modeling import SparseCode, SparseLayer, SparseSpec
 from tests.conftest import D_MODEL, VOCAB, tiny_base_model
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from expertize.conversion.recipe.param_match import match_parameter_count
-from expertize.conversion.recipe.schema import RecipeError, recipe_from_dict
+from expertize.conversion.recipe import RecipeError, recipe_from_dict
 from expertize.conversion.surgery.splice import load_expertize_model, save_model, splice
 from expertize.conversion.upcycle import upcycle
 from expertize.modeling import MonetHDSpec, MonetRouting, MonetVDSpec, build_sparse_layer, spec_from_dict

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from expertize.conversion.recipe.param_match import match_parameter_count
-from expertize.conversion.recipe.schema import recipe_from_dict
+from expertize.conversion.recipe import recipe_from_dict
 from expertize.conversion.surgery.splice import splice
 from expertize.conversion.upcycle import upcycle
 from expertize.modeling import MuMoECPSpec, MuMoELayer, MuMoETRSpec, build_sparse_layer, entmax15, spec_from_dict

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from expertize.conversion.recipe.schema import recipe_from_dict
+from expertize.conversion.recipe import recipe_from_dict
 from expertize.conversion.surgery.splice import splice
 from expertize.conversion.upcycle import upcycle
 from expertize.modeling import RoutedNeuronsLayer, RoutedNeuronsSpec, build_sparse_layer, spec_from_dict

@@ -8,7 +8,7 @@ import torch
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
 from expertize.conversion.evaluation.metrics import next_token_ce
-from expertize.conversion.recipe.schema import recipe_from_dict
+from expertize.conversion.recipe import recipe_from_dict
 from expertize.conversion.surgery.splice import load_expertize_model, splice
 from expertize.conversion.upcycle import upcycle
 from expertize.modeling import FAMILIES, MoeXSpec, MxdSpec, build_sparse_layer

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from expertize.conversion.cli import main as cli_main
-from expertize.conversion.recipe.schema import recipe_from_dict
+from expertize.conversion.recipe import recipe_from_dict
 from expertize.conversion.upcycle import upcycle
 from tests.conftest import run_isolated, shared_data_dir, write_corpus
 
@@ -116,7 +116,7 @@ def test_resume_refuses_a_different_recipe(tiny_run):
     out = Path(tree["output_dir"])
     (out / "checkpoint").mkdir(parents=True)
     first = recipe_from_dict(tree)
-    from expertize.conversion.recipe.schema import save_recipe
+    from expertize.conversion.recipe import save_recipe
 
     save_recipe(first, out / "checkpoint" / "recipe.resolved.yaml")
     tree["train"]["lr"] = 1e-2
