@@ -12,16 +12,16 @@ def run_upcycle(tree: dict, source: str) -> tuple[dict, float | None, list[str]]
     """Run (or reuse) one upcycle of the recipe `tree`; returns (metrics, seconds or None when reused, the distinct
     warnings raised). A finished folder of a *different* recipe is an error, never silently reused."""
     from expertize.conversion.recipe import recipe_from_dict, recipe_to_dict
-    from expertize.conversion.publishing.run_folder import RESOLVED_RECIPE
+    from expertize.conversion.publishing.run_folder import METRICS, RESOLVED_RECIPE
     from expertize.conversion.upcycle import upcycle
 
     recipe = recipe_from_dict(tree, source=source)
     out = Path(recipe.output_dir)
-    if (out / "metrics.json").exists():
+    if (out / METRICS).exists():
         saved = yaml.safe_load((out / RESOLVED_RECIPE).read_text(encoding="utf-8"))
         if saved != recipe_to_dict(recipe):
             raise SystemExit(f"{out} holds a finished run of a different recipe; remove it or choose another --out")
-        return json.loads((out / "metrics.json").read_text(encoding="utf-8")), None, []
+        return json.loads((out / METRICS).read_text(encoding="utf-8")), None, []
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -32,7 +32,7 @@ def run_upcycle(tree: dict, source: str) -> tuple[dict, float | None, list[str]]
         message = f"{w.category.__name__}: {w.message}"
         if message not in messages:
             messages.append(message)
-    return json.loads((out / "metrics.json").read_text(encoding="utf-8")), seconds, messages
+    return json.loads((out / METRICS).read_text(encoding="utf-8")), seconds, messages
 
 
 def text_data(

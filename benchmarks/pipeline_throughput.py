@@ -24,6 +24,7 @@ from accelerate import Accelerator
 from expertize.conversion.data.capture import MlpCapture
 from expertize.conversion.data.text import iter_sequences
 from expertize.conversion.evaluation.metrics import LOSSES
+from expertize.conversion.publishing.run_folder import RunFolder
 from expertize.conversion.recipe import load_recipe, resolve_layer_spec
 from expertize.conversion.surgery.splice import base_family, load_base_model
 from expertize.conversion.training.distill import SparseStack, Trainer
@@ -87,7 +88,7 @@ def main() -> None:
         start = time.perf_counter()
         trainer.fit()
         pipeline = time.perf_counter() - start
-        log = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+        log = [json.loads(line) for line in RunFolder(run_dir).train_log.read_text().splitlines()]
         # Steady state: from the first log record on (the stream's start-up, tokenizing the document shuffle buffer
         # and the first chunk, is excluded; it is paid once per run).
         steady_steps = log[-1]["step"] - log[0]["step"]

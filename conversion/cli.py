@@ -68,7 +68,9 @@ def _eval(args: argparse.Namespace) -> int:
         verbose=args.verbose,
     )
     print(comparison_markdown(comparison))
-    output = args.output or os.path.join(args.model_dir, "lm_eval")
+    from .publishing.run_folder import LM_EVAL
+
+    output = args.output or os.path.join(args.model_dir, LM_EVAL)
     _stderr(f"wrote {output}/comparison.md, comparison.json, comparison.png and the harness's files")
     return 0
 
@@ -163,14 +165,18 @@ def _add_tasks(sub) -> None:
     ta.set_defaults(func=_tasks)
 
 
+def _metric_help() -> str:
+    from .publishing.metrics_schema import metric_help  # a light import: --help stays fast
+
+    return metric_help()
+
+
 def _add_plot_sweep(sub) -> None:
     ps = sub.add_parser(
         "plot-sweep",
         help="plot a metric against K (or active parameters) per method over model folders",
         description="One line per method (layer kind) through the folders' points, the base model as a dashed line. "
-        "METRIC: a dotted path into metrics.json (ce.spliced, ce.delta, generation.match_at_end), a per-layer "
-        "metric averaged over the replaced layers (fvu, nmse_paper, relative_mse, mse, l0, dead_fraction), or "
-        "lm_eval:TASK:METRIC (e.g. lm_eval:expertize_stories_cloze:acc).",
+        f"METRIC: {_metric_help()}.",
     )
     ps.add_argument("model_dirs", nargs="+", help="folders written by `expertize upcycle`")
     ps.add_argument("--metric", required=True)

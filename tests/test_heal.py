@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from expertize.conversion.data.text import load_eval_sequences
-from expertize.conversion.training.heal import ATTENTION_PROJECTIONS, Healer, prepare_for_healing
+from expertize.conversion.surgery.families import attention_projections, conv1d_attention
+from expertize.conversion.training.heal import Healer, prepare_for_healing
 from expertize.conversion.evaluation.metrics import next_token_ce
 from expertize.conversion.recipe import HealConfig, recipe_from_dict
 from expertize.conversion.surgery.splice import load_expertize_model, splice
@@ -31,7 +32,8 @@ def test_lora_adapter_trains_saves_reloads_and_merges(family, tmp_path):
     ids = torch.randint(0, 99, (2, 12), generator=torch.Generator().manual_seed(1))
     model = load_expertize_model(tmp_path / "model")
     before = model(ids).logits
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION_PROJECTIONS[family], fan_in_fan_out=family == "gpt2")
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=attention_projections(family),
+                        fan_in_fan_out=conv1d_attention(family))
     peft_model = get_peft_model(model, config)
     torch.testing.assert_close(peft_model(ids).logits, before)  # B = 0 at init
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ..publishing.metrics_schema import Metrics, layer_metric_names, scalar_metric_paths
+from ..publishing.metrics_schema import Metrics, layer_metric_names, metric_help, scalar_metric_paths
 from ..publishing.model_folder import check_model_folder, read_metrics
 from ..publishing.run_folder import write_json
 
@@ -51,15 +51,6 @@ def _dotted(tree: Any, path: str) -> Any:
             return None
         tree = tree[part]
     return tree
-
-
-def metric_help() -> str:
-    """The metric names `plot-sweep` accepts, for the CLI's help."""
-    return (
-        f"a number in metrics.json by dotted path ({', '.join(SCALAR_METRICS)}), a per-layer metric averaged over "
-        f"the replaced layers ({', '.join(LAYER_METRICS)}), or lm_eval:TASK:METRIC (e.g. "
-        "lm_eval:expertize_stories_cloze:acc)"
-    )
 
 
 def _check_metric_name(metric: str, metrics: dict[str, Any]) -> None:

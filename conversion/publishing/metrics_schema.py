@@ -317,3 +317,12 @@ def load_metrics(model_dir: str | os.PathLike) -> Metrics:
         raise MetricsError(f"{path} is not valid JSON ({e}); rerun `expertize eval` or the recipe to rewrite it") \
             from None
     return Metrics.from_dict(data)
+
+
+def metric_help() -> str:
+    """The metric names `plot-sweep` accepts (CLI help, error messages)."""
+    return (
+        f"a number in metrics.json by dotted path ({', '.join(scalar_metric_paths())}), a per-layer metric averaged "
+        f"over the replaced layers ({', '.join(layer_metric_names())}), or lm_eval:TASK:METRIC (e.g. "
+        "lm_eval:expertize_stories_cloze:acc)"
+    )

@@ -22,8 +22,6 @@ from .engine import Engine, OptimConfig, run_paths
 DEAD_WINDOW_TOKENS = 1_000_000
 """A unit counts as dead during training if it has not fired in this many tokens (MxD paper App. C.1 uses ~4M)."""
 
-CHECKPOINT = "state.pt"
-LOG = "train_log.jsonl"
 
 
 class SparseStack(nn.Module):
@@ -66,7 +64,7 @@ class Trainer(Engine):
         log=None,
     ) -> None:
         """`checkpoint_path` / `log_path` default to `run_dir/checkpoint/state.pt` and `run_dir/train_log.jsonl`."""
-        checkpoint_path, log_path = run_paths(run_dir, checkpoint_path, log_path, CHECKPOINT, LOG)
+        checkpoint_path, log_path = run_paths(run_dir, checkpoint_path, log_path, "train")
         self.layers, self.activations, self.cfg = layers, batches, cfg
         self.init_output_bias = init_output_bias  # False keeps b_dec (e.g. copied from the dense MLP)
         self.stack = SparseStack(layers).to(accelerator.device)

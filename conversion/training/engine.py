@@ -74,14 +74,18 @@ def lr_lambda(cfg: Any, total_steps: int) -> Callable[[int], float]:
 
 
 def run_paths(
-    run_dir: Path | None, checkpoint_path: Path | None, log_path: Path | None, checkpoint_name: str, log_name: str
+    run_dir: Path | None, checkpoint_path: Path | None, log_path: Path | None, stage: str
 ) -> tuple[Path, Path]:
-    """(checkpoint, log): the given paths, else `run_dir/checkpoint/<checkpoint_name>` and `run_dir/<log_name>`."""
+    """(checkpoint, log): the given paths, else the run folder's for `stage` ("train" or "heal"): the names belong
+    to `publishing.run_folder.RunFolder`, the one place that knows them."""
+    from ..publishing.run_folder import RunFolder
+
     if (checkpoint_path is None or log_path is None) and run_dir is None:
         raise TypeError("pass run_dir, or both checkpoint_path and log_path")
+    folder = RunFolder(run_dir) if run_dir is not None else None
     return (
-        Path(checkpoint_path or Path(run_dir) / "checkpoint" / checkpoint_name),
-        Path(log_path or Path(run_dir) / log_name),
+        Path(checkpoint_path or getattr(folder, f"{stage}_state")),
+        Path(log_path or getattr(folder, f"{stage}_log")),
     )
 
 

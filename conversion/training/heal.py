@@ -23,28 +23,15 @@ from ..data.text import DataConfig, batch_sequences, iter_sequences, token_budge
 from ..evaluation.metrics import kl_base_to_other, next_token_ce
 from ..errors import ExpertizeError
 from ..recipe import HealConfig
+from ..surgery.families import attention_projections, conv1d_attention
 from .engine import Engine, OptimConfig, run_paths
-
-# LoRA's default targets: the attention projections of each family (suffix names, as PEFT matches them). The
-# attention names are distinct from the MLP's (GPT-2's MLP also has a `c_proj`, hence the `attn.` prefix).
-ATTENTION_PROJECTIONS: dict[str, list[str]] = {
-    "gpt2": ["attn.c_attn", "attn.c_proj"],
-    "gpt_neox": ["attention.query_key_value", "attention.dense"],
-    "llama": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "mistral": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj"],
-}
-
-CHECKPOINT = "heal.pt"
-LOG = "heal_log.jsonl"
-
 
 def lora_config(cfg: HealConfig, family: str):
     """The PEFT `LoraConfig` of `cfg` for a model of `family` (base model_type)."""
     from peft import LoraConfig
 
-    targets = ATTENTION_PROJECTIONS[family] if cfg.lora_target_modules == "auto" else list(cfg.lora_target_modules)
-    if family == "gpt2" and targets and cfg.lora_target_parameters:
+    targets = attention_projections(family) if cfg.lora_target_modules == "auto" else list(cfg.lora_target_modules)
+    if conv1d_attention(family) and targets and cfg.lora_target_parameters:
         # PEFT switches the config to fan_in_fan_out for Conv1D targets, and its ParamWrapper refuses that setting.
         raise ValueError(
             "heal: PEFT cannot put GPT-2's Conv1D attention (lora_target_modules) and lora_target_parameters in one "
@@ -57,7 +44,7 @@ def lora_config(cfg: HealConfig, family: str):
         lora_dropout=0.0,  # PEFT's target_parameters allows no dropout; keep one setting for both
         target_modules=targets or None,
         target_parameters=list(cfg.lora_target_parameters) or None,
-        fan_in_fan_out=family == "gpt2" and bool(targets),  # GPT-2's Conv1D stores weights as (in, out)
+        fan_in_fan_out=conv1d_attention(family) and bool(targets),  # Conv1D stores weights as (in, out)
         bias="none",
     )
 
@@ -118,7 +105,7 @@ class Healer(Engine):
         log=None,
     ) -> None:
         """`checkpoint_path` / `log_path` default to `run_dir/checkpoint/heal.pt` and `run_dir/heal_log.jsonl`."""
-        checkpoint_path, log_path = run_paths(run_dir, checkpoint_path, log_path, CHECKPOINT, LOG)
+        checkpoint_path, log_path = run_paths(run_dir, checkpoint_path, log_path, "heal")
         self.cfg, self.base, self.tokenizer = cfg, base, tokenizer
         # Healing reads the train split from its start, with its own budget.
         self.data = dataclasses.replace(data, train_tokens=cfg.tokens)
