@@ -1,0 +1,82 @@
+"""Named corpora for `expertize inspect`: `--corpus code=PATH` -> fixed-length token sequences per name.
+
+A corpus is a UTF-8 `.txt` file (one document per line, or blocks separated by blank lines: detected from the file)
+or a `.jsonl` file with a "text" field per line. Documents are read, tokenized, EOS-separated and packed exactly as
+the training data (conversion/data/text.py, unshuffled), so every token is real text and no padding is needed.
+"""
+
+import itertools
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from ..data.text import DataConfig, DataError, iter_documents, pack_sequences
+from ..errors import ExpertizeError
+
+__all__ = ["InspectionError", "corpus_sequences", "parse_corpora"]
+
+
+class InspectionError(ExpertizeError, ValueError):
+    """`expertize inspect` cannot run on what it was given; the message names the problem and the fix."""
+
+
+def parse_corpora(specs: list[str]) -> dict[str, str]:
+    """`["code=a.txt", "wiki.jsonl"]` -> {"code": "a.txt", "wiki": "wiki.jsonl"} (a bare path is named by its stem)."""
+    corpora: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or os.path.exists(spec):  # a bare path (possibly containing '=')
+            name, path = Path(spec).stem, spec
+        name = name.strip()
+        if not name or not path:
+            raise InspectionError(f"--corpus {spec!r}: write NAME=PATH (e.g. --corpus code=code.txt) or just PATH")
+        if name in corpora:
+            raise InspectionError(f"--corpus: the name {name!r} is given twice; name each corpus differently")
+        if not os.path.isfile(path):
+            raise InspectionError(f"--corpus {name}: no such file {path!r}; give a .txt or .jsonl file")
+        corpora[name] = path
+    return corpora
+
+
+def _data_config(path: str, context_length: int) -> DataConfig:
+    if path.endswith(".jsonl"):
+        return DataConfig(source="jsonl", paths=[path], context_length=context_length)
+    if path.endswith(".parquet"):
+        return DataConfig(source="parquet", paths=[path], context_length=context_length)
+    with open(path, encoding="utf-8", errors="replace") as f:
+        head = f.read(1 << 20)
+    # Blank-line blocks when the file has any blank line (e.g. Tiny Shakespeare's speeches), else one per line.
+    blocks = any(not line.strip() for line in head.strip().splitlines())
+    return DataConfig(
+        source="text", paths=[path], context_length=context_length,
+        document_separator="blank_line" if blocks else "line",
+    )
+
+
+def corpus_sequences(name: str, path: str, tokenizer, tokens: int, context_length: int) -> torch.LongTensor:
+    """The first ceil(tokens / context_length) packed sequences of a corpus: (S, context_length).
+
+    Raises InspectionError for a corpus with no text, or too little text for a single sequence.
+    """
+    cfg = _data_config(path, context_length)
+    wanted = math.ceil(tokens / context_length)
+    try:
+        docs = iter_documents(cfg)
+        first = next(docs, None)
+        if first is None:
+            raise InspectionError(
+                f"corpus {name!r} ({path}) is empty: it has no non-empty document; give a file with text "
+                "(.txt: one document per line or blank-line blocks; .jsonl: a \"text\" field per line)"
+            )
+        sequences = list(itertools.islice(pack_sequences(itertools.chain([first], docs), tokenizer, cfg, "eval"),
+                                          wanted))
+    except DataError as e:
+        raise InspectionError(f"corpus {name!r}: {e}") from e
+    if not sequences:
+        raise InspectionError(
+            f"corpus {name!r} ({path}) does not fill one sequence of {context_length} tokens; add text or lower "
+            "--context-length"
+        )
+    return torch.stack(sequences)  # (S, T)

@@ -1,0 +1,141 @@
+"""Each unit's direct effect on the output vocabulary: its output direction through the final norm and unembedding.
+
+A unit's output direction d_n (O,) is what it adds to the residual stream per unit of activation:
+
+    transcoder, skip_transcoder, routed_neurons   row n of W_dec (the latent's / neuron's decoder row)
+    moe_x                                         column h of expert j's decoder (row j·D + h of `decoder_rows()`)
+    mxd                                           c_n ⊙ mean(Dᵀz) over the tokens where expert n fires: the expert's
+                                                  contribution c_n ∗ (Dᵀz) averaged over its firing tokens
+    mumoe_cp, mumoe_tr                            W_nᵀ mean(z) + β_n over the tokens where expert n fires (the
+                                                  expert's output map on its average hidden code)
+    monet_hd, monet_vd                            none: a product expert's output E_ij(x) is a non-linear function of
+                                                  x with no fixed direction (promoted / suppressed lists are empty)
+
+Its vocabulary effect is W_U · N(d_n) with N the final norm's linear part (LayerNorm: centre, then scale by γ;
+RMSNorm: scale by γ), i.e. direct logit attribution up to the norm's per-token 1/σ: the top entries are the tokens
+the unit promotes, the bottom ones those it suppresses. Kinds whose direction depends on the tokens (mxd, mumoe)
+read the layer's own hidden code z during the inspection pass (their `hidden` output), never recomputing it.
+"""
+
+import torch
+from torch import nn
+
+from ..surgery.families import family_info
+
+__all__ = ["EffectAccumulator", "final_norm", "vocab_effects"]
+
+UNIT_CHUNK = 1024
+"""Units whose (chunk, vocab) logit rows are formed at once."""
+
+
+class EffectAccumulator:
+    """Collects what a layer's output directions need during the inspection pass; `directions()` -> (U, O)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+        self.kind = layer.spec.kind
+        self.sums: torch.Tensor | None = None  # (U, O) Σ Dᵀz (mxd) or (U, H) Σ z (mumoe) over firing tokens
+        self.counts = torch.zeros(layer.num_units, dtype=torch.float64)
+        self._z: torch.Tensor | None = None
+        self._wrapped = False
+
+    @property
+    def needs_hidden(self) -> bool:
+        return self.kind == "mxd" or self.kind.startswith("mumoe")
+
+    @property
+    def supported(self) -> bool:
+        return not self.kind.startswith("monet")
+
+    # -- during the pass ------------------------------------------------------------------------------------------
+
+    def attach(self) -> None:
+        """Read the hidden code z of each forward from the layer's own `hidden` (an instance attribute shadowing the
+        method for the pass; removed by `detach`)."""
+        if not self.needs_hidden:
+            return
+        original = self.layer.hidden
+
+        def hidden(*args, **kwargs):
+            z = original(*args, **kwargs)
+            self._z = z.detach()
+            return z
+
+        self.layer.hidden = hidden
+        self._wrapped = True
+
+    def detach(self) -> None:
+        if self._wrapped:
+            del self.layer.hidden
+            self._wrapped = False
+        self._z = None
+
+    @torch.no_grad()
+    def update(self, unit: torch.Tensor, token: torch.Tensor, counts: torch.Tensor) -> None:
+        """unit, token (P,): the batch's firing pairs (unit id, flat token index); counts (U,) firings per unit."""
+        if not self.needs_hidden:
+            return
+        z = self._z.reshape(-1, self._z.shape[-1]).float()  # (B·T, H)
+        rows = z @ self.layer.W_dec.float() if self.kind == "mxd" else z  # Dᵀz (B·T, O) or z (B·T, H)
+        if self.sums is None:
+            self.sums = torch.zeros(self.layer.num_units, rows.shape[-1], dtype=torch.float64, device=rows.device)
+        # float32 within a batch, float64 across batches
+        self.sums += torch.zeros(self.sums.shape, device=rows.device).index_add_(0, unit, rows[token]).double()
+        self.counts = self.counts.to(unit.device) + counts
+
+    # -- after the pass -------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def directions(self) -> torch.Tensor | None:
+        """(U, O) output direction per unit; NaN rows for units with no firing token where it depends on them;
+        None for kinds without one (monet)."""
+        layer, kind = self.layer, self.kind
+        if kind in ("transcoder", "skip_transcoder", "routed_neurons"):
+            return layer.W_dec.detach().float()
+        if kind == "moe_x":
+            return layer.decoder_rows().detach().float()
+        if not self.needs_hidden:
+            return None
+        U = layer.num_units
+        if self.sums is None:  # nothing fired at all
+            return torch.full((U, layer.spec.d_out), float("nan"))
+        mean = (self.sums / self.counts.clamp_min(1)[:, None]).float()  # (U, O) or (U, H)
+        if kind == "mxd":
+            out = layer.W_experts.detach().float() * mean  # c_n ⊙ mean Dᵀz
+        else:
+            one_hot = torch.eye(U, device=mean.device, dtype=layer.b_dec.dtype)
+            out = layer.mumoe_out(one_hot, mean.to(layer.b_dec.dtype)).float()  # W_nᵀ mean z + β_n: (U, O)
+        return out.masked_fill((self.counts == 0)[:, None].to(out.device), float("nan"))
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    """The final norm before the unembedding (GPT-2 `ln_f`, GPT-NeoX `final_layer_norm`, Llama-likes `norm`)."""
+    blocks_path = family_info(model.config.model_type).blocks_path
+    parent = model.get_submodule(blocks_path.rpartition(".")[0])
+    for name in ("ln_f", "final_layer_norm", "norm"):
+        if isinstance(getattr(parent, name, None), nn.Module):
+            return getattr(parent, name)
+    raise ValueError(f"no final norm found next to {blocks_path} in {type(model).__name__}")
+
+
+@torch.no_grad()
+def vocab_effects(model: nn.Module, directions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k promoted and suppressed tokens per unit: directions (U, O) -> (ids, values), each (U, 2, k):
+    [:, 0] promoted (largest logit first), [:, 1] suppressed (most negative first). NaN rows give NaN values."""
+    norm = final_norm(model)
+    unembed = model.get_output_embeddings().weight.detach().float()  # (V, O)
+    gamma = getattr(norm, "weight", None)
+    k = min(k, unembed.shape[0])
+    ids, values = [], []
+    for lo in range(0, directions.shape[0], UNIT_CHUNK):
+        d = directions[lo : lo + UNIT_CHUNK].float().to(unembed.device)  # (c, O)
+        if isinstance(norm, nn.LayerNorm):
+            d = d - d.mean(-1, keepdim=True)  # LayerNorm centres before scaling; RMSNorm does not
+        if gamma is not None:
+            d = d * gamma.detach().float()
+        logits = d @ unembed.T  # (c, V)
+        top = logits.topk(k, dim=-1)
+        bottom = (-logits).topk(k, dim=-1)
+        ids.append(torch.stack([top.indices, bottom.indices], dim=1))  # (c, 2, k)
+        values.append(torch.stack([top.values, -bottom.values], dim=1))
+    return torch.cat(ids).cpu(), torch.cat(values).cpu()
