@@ -287,6 +287,6 @@ def test_fired_units_and_update_fired_for_data_parallel():
 
 def test_window_rule_and_auto_k_aux():
     assert dead_window_tokens(1_000_000_000, 4096) == 10_002_432  # the paper's 10M, in whole steps
-    assert dead_window_tokens(2_000_000, 4096) == 200_704  # a tenth of the budget, in whole steps
+    assert dead_window_tokens(2_000_000, 4096) == 53_248  # 1/40 of the budget (50,000), in whole steps
     assert dead_window_tokens(100, 4096) == 4096  # at least one step
     assert auto_k_aux(4096) == 512 and auto_k_aux(576) == 288 and auto_k_aux(1) == 1

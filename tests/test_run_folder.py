@@ -28,6 +28,8 @@ METRICS_DICT = {
     "generation": {"match_curve": [1.0, 0.5], "match_at_end": 0.5, "n_prompts": 8,
                    "match_curve_plot": "plots/generation_match.png"},
     "eval_tokens": 4096,
+    "reconstruction_positions": {"exclude_special_positions": True, "excluded_token_ids": [0, 1], "tokens": 4064,
+                                 "excluded_tokens": 32},
     "train": {"steps": 48, "tokens": 12288},
     "init": {"method": "split", "base": 3.2, "spliced": 3.6, "delta": 0.4},
     "heal": {"steps": 4, "tokens": 512, "objective": "kl", "rest": "frozen", "final": {"step": 4, "loss": 0.1}},

@@ -4,6 +4,10 @@ One forward pass serves every target layer, and it stops right after the last ta
 needed). The hooks sit on the `.mlp` module itself, so what is captured is exactly what the MLP reads and writes:
 GPT-2's `ln_2` output -> Conv1D MLP output, GPT-NeoX's `post_attention_layernorm` output (parallel residual) -> MLP
 output, Llama's `post_attention_layernorm` output -> gated MLP output.
+
+Every position is captured; `kept_positions` marks those that count for the distillation loss and the reconstruction
+metrics (all but special tokens by default, `data.exclude_special_positions`): the model needs the whole sequence,
+the losses only the positions that matter.
 """
 
 import contextlib
@@ -13,6 +17,24 @@ import torch
 from torch import nn
 
 from ..surgery.families import decoder_blocks  # callers import it from here too
+
+
+def excluded_token_ids(data, tokenizer) -> list[int]:
+    """Token ids whose positions the distillation loss and the reconstruction metrics leave out: the tokenizer's
+    special tokens (`all_special_ids`: BOS, EOS, PAD, UNK, ...) when `data.exclude_special_positions` (a DataConfig),
+    else none. Sorted, without duplicates (GPT-2's BOS = EOS = PAD)."""
+    if not data.exclude_special_positions:
+        return []
+    return sorted({int(i) for i in tokenizer.all_special_ids if i is not None})
+
+
+def kept_positions(input_ids: torch.Tensor, excluded_ids) -> torch.Tensor | None:
+    """(B, T) token ids -> (B*T,) bool, True where the token is not one of `excluded_ids`, in the order of the rows
+    `MlpCapture` returns; None when nothing is excluded (every position counts)."""
+    if not len(excluded_ids):
+        return None
+    excluded = torch.as_tensor(list(excluded_ids), dtype=input_ids.dtype, device=input_ids.device)
+    return ~torch.isin(input_ids.reshape(-1), excluded)  # (B*T,)
 
 
 class _StopForward(Exception):

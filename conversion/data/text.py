@@ -116,6 +116,16 @@ class DataConfig:
     seed: int = 0
     """Seed of the train/eval document split and of the document shuffle."""
 
+    exclude_special_positions: bool = True
+    """Leave the positions that hold a special token (the tokenizer's `all_special_ids`: BOS, EOS, PAD, ...) out of
+    the distillation loss and of the reconstruction metrics (FVU, NMSE, MSE, L0, dead units): their activation
+    outliers (e.g. the BOS attention sink) would dominate the squared error. CE and KL always cover every position."""
+
+    activation_cache: str | None = None
+    """A folder written by `expertize capture` (the train split's MLP inputs and outputs, conversion/data/cache.py):
+    distillation reads its pairs instead of running the base model, once its manifest is checked against this
+    recipe's base model, layers and data section (a mismatch is refused). null: capture while training."""
+
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise ValueError(f"data.source must be one of {list(SOURCES)}, got {self.source!r}")
@@ -154,8 +164,17 @@ class DataConfig:
                 "data.eval_fraction must lie strictly between 0 and 1 (a fraction of documents), "
                 f"got {self.eval_fraction!r}"
             )
+        if not isinstance(self.exclude_special_positions, bool):
+            raise ValueError(
+                f"data.exclude_special_positions must be true or false, got {self.exclude_special_positions!r}"
+            )
         if not (self.add_bos == "auto" or isinstance(self.add_bos, bool)):
             raise ValueError(f"data.add_bos must be 'auto', true or false, got {self.add_bos!r}")
+        if self.activation_cache is not None and not (isinstance(self.activation_cache, str) and self.activation_cache):
+            raise ValueError(
+                f"data.activation_cache must be the folder written by `expertize capture` (or null), got "
+                f"{self.activation_cache!r}"
+            )
 
 
 def _is_int(value: Any) -> bool:

@@ -3,7 +3,8 @@
 Three views, following the MxD paper's protocol (§3 of shared/papers/digests/mxd.md):
 
 1. Reconstruction of each target MLP on held-out tokens (MLP input captured from the *base* model): the paper's
-   normalized MSE, relative MSE, FVU, MSE, plus L0 and dead units of the sparse code.
+   normalized MSE, relative MSE, FVU, MSE, plus L0 and dead units of the sparse code, over the positions that do not
+   hold an excluded token (`exclude_token_ids`: the special tokens with data.exclude_special_positions).
 2. Next-token cross-entropy with every target MLP replaced at once by its sparse layer ("spliced"), by zeros
    ("zero ablation") and by its mean output ("mean ablation"), KL(base ‖ spliced) and CE loss recovered.
 3. Output faithfulness (paper App. B.1): greedy continuations of held-out prompts by the base and the spliced model,
@@ -15,7 +16,7 @@ Memory: sequences are processed `cfg.batch_sequences` at a time and only running
 """
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from torch import nn
 
 from expertize.modeling import SparseLayer
 
-from ..data.capture import MlpCapture, replaced_mlps
+from ..data.capture import MlpCapture, kept_positions, replaced_mlps
 from .metrics import ReconstructionStats, kl_base_to_other, next_token_ce
 from ..recipe import EvalConfig
 
@@ -141,6 +142,46 @@ class _CeSums:
         }
 
 
+class _Positions:
+    """Which positions the reconstruction metrics cover (all but `exclude_token_ids`), how many, and the sum of the
+    MLP outputs over *every* position (for the mean ablation, which replaces the MLP at every position)."""
+
+    def __init__(self, exclude_token_ids: Collection[int]) -> None:
+        self.excluded_ids = sorted({int(i) for i in exclude_token_ids})
+        self.kept = self.excluded = 0
+        self.output_sums: dict[int, torch.Tensor] = {}  # layer -> Σ y over every position, (d,) float64
+        self.output_counts: dict[int, int] = {}
+
+    def keep(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        keep = kept_positions(input_ids, self.excluded_ids)  # (B*L,) or None
+        n_kept = input_ids.numel() if keep is None else int(keep.sum())
+        self.kept += n_kept
+        self.excluded += input_ids.numel() - n_kept
+        return keep
+
+    def add_outputs(self, layer: int, y: torch.Tensor) -> None:
+        if not self.excluded_ids:  # the reconstruction stats see every position: their mean is the one
+            return
+        total = y.double().sum(0)  # (d,)
+        self.output_sums[layer] = self.output_sums[layer] + total if layer in self.output_sums else total
+        self.output_counts[layer] = self.output_counts.get(layer, 0) + y.shape[0]
+
+    def mean_output(self, layer: int, stats: ReconstructionStats) -> torch.Tensor:
+        """The mean MLP output over every position, (d,) float64."""
+        if not self.excluded_ids:
+            return stats.mean_output()
+        return self.output_sums[layer] / self.output_counts[layer]
+
+    def summary(self) -> dict:
+        """metrics.json's `reconstruction_positions`."""
+        return {
+            "exclude_special_positions": bool(self.excluded_ids),
+            "excluded_token_ids": self.excluded_ids,
+            "tokens": self.kept,
+            "excluded_tokens": self.excluded,
+        }
+
+
 def _ce_recovered(ablated: float, spliced: float, base: float) -> float | None:
     """(CE_ablated − CE_spliced) / (CE_ablated − CE_base): 1 = as good as the base MLP, 0 = as bad as the ablation.
     None when the ablation does not change the CE (the ratio is undefined)."""
@@ -167,8 +208,13 @@ def evaluate_sparse_layers(
     mean_outputs: Mapping[int, torch.Tensor] | None = None,
     spliced_model: nn.Module | None = None,
     progress: bool = True,
+    exclude_token_ids: Collection[int] = (),
 ) -> dict:
     """Reconstruction, CE and generation faithfulness of `layers` spliced into the base causal LM `model`.
+
+    exclude_token_ids: positions holding one of these tokens (`data.capture.excluded_token_ids`: the special tokens)
+    are left out of the reconstruction metrics (NMSE, FVU, MSE, L0, dead units, firing histogram); CE, KL and the
+    ablations always cover every position. Recorded under `reconstruction_positions`.
 
     spliced_model: the converted model to compare with the base when it differs from "`model` with `layers`
     swapped in", e.g. after end-to-end healing also changed attention weights; `layers` are then its sparse layers
@@ -176,8 +222,9 @@ def evaluate_sparse_layers(
 
     eval_sequences: (S, L) held-out token ids. mean_outputs: {layer: (d,)} MLP output used by the mean ablation
     (the trainer passes the training mean); None: the mean over the eval tokens. Returns a JSON-able dict with keys
-    `layers`, `ce`, `generation` (None when cfg.generation_prompts is 0) and `eval_tokens`. With `plots_dir` (and
-    cfg.histogram for the firing histograms) PNGs are written there and their paths reported.
+    `layers`, `ce`, `generation` (None when cfg.generation_prompts is 0), `eval_tokens` and
+    `reconstruction_positions`. With `plots_dir` (and cfg.histogram for the firing histograms) PNGs are written
+    there and their paths reported.
     """
     if not layers:
         raise ValueError("evaluate_sparse_layers needs at least one sparse layer")
@@ -200,11 +247,13 @@ def evaluate_sparse_layers(
         stats = {i: ReconstructionStats() for i in indices}
         firing = {i: _UnitFiring(layers[i].num_units) for i in indices}
         ce = _CeSums()
+        positions = _Positions(exclude_token_ids)
         means = None if mean_outputs is None else {i: _ConstantMlp(mean_outputs[i].detach()) for i in indices}
         for input_ids in _batches(model, eval_sequences, cfg.batch_sequences, progress, "eval"):
-            _reconstruction_and_ce(model, input_ids, spliced, zeros, means, stats, firing, ce, spliced_model)
+            _reconstruction_and_ce(model, input_ids, spliced, zeros, means, stats, firing, ce, spliced_model,
+                                   positions)
         if means is None:  # mean ablation needs the mean over all eval tokens first: a second pass
-            means = {i: _ConstantMlp(stats[i].mean_output().float()) for i in indices}
+            means = {i: _ConstantMlp(positions.mean_output(i, stats[i]).float()) for i in indices}
             for input_ids in _batches(model, eval_sequences, cfg.batch_sequences, progress, "eval (mean ablation)"):
                 with replaced_mlps(model, means):
                     ce.add("mean_ablation", _logits(model, input_ids), input_ids)
@@ -217,7 +266,8 @@ def evaluate_sparse_layers(
         if plots_dir is not None and cfg.histogram:
             histogram = str(
                 plot_firing_frequency(
-                    firing[i].counts.cpu(), eval_tokens, Path(plots_dir) / f"firing_frequency_layer{i}.png", layer=i
+                    firing[i].counts.cpu(), firing[i].tokens, Path(plots_dir) / f"firing_frequency_layer{i}.png",
+                    layer=i,
                 )
             )
         report_layers[str(i)] = {**stats[i].as_dict(), **firing[i].summary(), "firing_frequency_histogram": histogram}
@@ -226,7 +276,13 @@ def evaluate_sparse_layers(
         if plots_dir is not None:
             plot = str(plot_match_curve(generation["match_curve"], Path(plots_dir) / "generation_match.png"))
         generation["match_curve_plot"] = plot
-    return {"layers": report_layers, "ce": ce.summary(), "generation": generation, "eval_tokens": eval_tokens}
+    return {
+        "layers": report_layers,
+        "ce": ce.summary(),
+        "generation": generation,
+        "eval_tokens": eval_tokens,
+        "reconstruction_positions": positions.summary(),
+    }
 
 
 @torch.no_grad()
@@ -272,12 +328,18 @@ def _reconstruction_and_ce(
     firing: Mapping[int, _UnitFiring],
     ce: _CeSums,
     spliced_model: nn.Module | None = None,
+    positions: "_Positions | None" = None,
 ) -> None:
     """One batch: one base forward gives the MLP (x, y) pairs and the base logits; then spliced and ablated runs."""
+    positions = positions or _Positions(())
     capture = MlpCapture(model, list(spliced), stop_early=False)
     captured = capture(input_ids)  # {layer: (x, y)}, each (B*L, d)
     base_logits = capture.last_logits  # (B, L, V)
+    keep = positions.keep(input_ids)  # (B*L,) bool or None: the positions the reconstruction metrics cover
     for i, (x, y) in captured.items():
+        positions.add_outputs(i, y)  # every position: the mean ablation replaces the MLP everywhere
+        if keep is not None:
+            x, y = x[keep], y[keep]
         stats[i].update(spliced[i](x), y)
         firing[i].update(*spliced[i].encode(x))
     del captured

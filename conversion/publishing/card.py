@@ -22,7 +22,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .metrics_schema import CeMetrics, GenerationMetrics, LayerMetrics, Metrics
+from .metrics_schema import CeMetrics, GenerationMetrics, LayerMetrics, Metrics, ReconstructionPositions
 from .run_folder import MODEL_CARD, write_text
 
 from expertize.modeling.sparse_layers import LAYER_KINDS
@@ -231,6 +231,20 @@ def _metric_table(layer_metrics: Mapping[str, LayerMetrics]) -> tuple[list[str],
     return header, rows
 
 
+def _positions_note(positions: ReconstructionPositions | None) -> str:
+    """Which held-out positions the reconstruction metrics cover, one sentence ("" when metrics.json does not say)."""
+    if positions is None or positions.tokens is None:
+        return ""
+    if not positions.excluded_token_ids:
+        return f"computed over every held-out position ({format_count(positions.tokens)}), special tokens included."
+    ids = ", ".join(str(i) for i in positions.excluded_token_ids)
+    return (
+        f"computed over the {format_count(positions.tokens)} held-out positions that do not hold a special token; the "
+        f"{format_count(positions.excluded_tokens)} positions holding one (token ids {ids}: BOS / EOS / padding, "
+        "whose activation outliers would dominate the squared error) are left out. CE and KL cover every position."
+    )
+
+
 def _ce_rows(ce: CeMetrics | None, generation: GenerationMetrics | None) -> list[list[str]]:
     rows = []
     if ce is not None:
@@ -406,6 +420,7 @@ def render_model_card(
         eval_tokens=format_count(metrics.eval_tokens) if metrics.eval_tokens is not None else "",
         metric_header=metric_header,
         metric_rows=metric_rows,
+        positions_note=_positions_note(metrics.reconstruction_positions),
         ce_rows=_ce_rows(metrics.ce, generation),
         match_rows=_match_rows(list(generation.match_curve) if generation is not None else []),
         n_prompts=format_count(generation.n_prompts if generation is not None else None),

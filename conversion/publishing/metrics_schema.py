@@ -6,6 +6,7 @@
         ce: CeMetrics                    next-token CE: base, spliced, ablations, KL, CE recovered
         generation: GenerationMetrics    greedy continuations identical to the base (None when not run)
         eval_tokens                      held-out tokens evaluated
+        reconstruction_positions         which of them the reconstruction metrics cover (special tokens left out)
         train: TrainSummary              distillation steps and tokens
         init: InitMetrics                CE of the dense initialisation (layer.init: split | copy)
         heal: HealSummary                end-to-end healing (heal: section)
@@ -31,7 +32,8 @@ from ..errors import ExpertizeError
 
 __all__ = [
     "CeMetrics", "GenerationMetrics", "HealSummary", "InitMetrics", "LayerMetrics", "LmEval", "LmEvalMetric",
-    "LmEvalTask", "Metrics", "MetricsError", "TrainSummary", "load_metrics", "scalar_metric_paths",
+    "LmEvalTask", "Metrics", "MetricsError", "ReconstructionPositions", "TrainSummary", "load_metrics",
+    "scalar_metric_paths",
 ]
 
 
@@ -170,6 +172,19 @@ class GenerationMetrics(_Section):
 
 
 @dataclass
+class ReconstructionPositions(_Section):
+    """The held-out positions the reconstruction metrics (NMSE, FVU, MSE, L0, dead units) cover: every position but
+    those holding a token of `excluded_token_ids` (data.exclude_special_positions). CE and KL cover every position."""
+
+    exclude_special_positions: bool | None = None
+    excluded_token_ids: list[int] = field(default_factory=list)
+    tokens: int | None = None
+    """Positions covered."""
+    excluded_tokens: int | None = None
+    """Positions left out."""
+
+
+@dataclass
 class TrainSummary(_Section):
     steps: int | None = None
     tokens: int | None = None
@@ -241,6 +256,7 @@ class Metrics(_Section):
     ce: CeMetrics | None = None
     generation: GenerationMetrics | None = None
     eval_tokens: int | None = None
+    reconstruction_positions: ReconstructionPositions | None = None
     train: TrainSummary | None = None
     init: InitMetrics | None = None
     heal: HealSummary | None = None

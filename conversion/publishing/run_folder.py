@@ -52,7 +52,9 @@ MODEL_CARD = "README.md"
 LM_EVAL = "lm_eval"
 STAGING_PREFIX = ".final."
 
-_UNFINISHED = (CHECKPOINT, TRAIN_LOG, HEAL_LOG)
+TRACKING = "tracking"
+"""Experiment-tracker files (train.log_with: tensorboard event files, ...)."""
+_UNFINISHED = (CHECKPOINT, TRAIN_LOG, HEAL_LOG, TRACKING)
 """What an unfinished run leaves in the folder (besides staging folders); `restart()` removes exactly these."""
 
 

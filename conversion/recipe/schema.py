@@ -250,6 +250,26 @@ class TrainConfig:
     """Layer-wise distillation on captured activations. false: skip it (e.g. a MoE initialized from the dense MLP
     and then healed end to end; needs a `heal:` section)."""
 
+    auxk_coef: float = 0.0
+    """AuxK (Gao et al. 2024, §A.2; training/auxk.py): weight of the auxiliary loss in which the `auxk_k` highest
+    scoring *dead* units (not fired for `dead_window_tokens` tokens) reconstruct the main path's error. 0 disables it
+    (the paper: 1/32). Kinds without AuxK (moe_x, monet_*, mumoe_*) train without it, with a note in the log."""
+
+    auxk_k: int | Literal["auto"] = "auto"
+    """k_aux, the dead units AuxK uses per token: "auto" = min(512, d_out / 2) (the paper's 512 for wide models,
+    sparsify's d / 2 below 1024 dims) or a number."""
+
+    dead_window_tokens: int | Literal["auto"] = "auto"
+    """A unit is dead when it has not fired for this many training tokens (used by AuxK and the logged dead count):
+    "auto" = min(10M (the paper's), 1/40 of the run's training tokens), in whole steps, or a number."""
+
+    log_with: Literal[
+        "none", "tensorboard", "wandb", "trackio", "aim", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab"
+    ] = "none"
+    """Experiment tracker (🤗 Accelerate's trackers) that receives loss, L0, dead fraction, lr and throughput at each
+    log interval, for distillation and healing: "none", "tensorboard" (event files in OUTPUT_DIR/tracking/; needs
+    `pip install "expertize[tracking]"`), "wandb", ... (the tracker's package must be installed)."""
+
     def __post_init__(self) -> None:
         check_field_types(self, "train")
         if not self.lr > 0:
@@ -273,6 +293,12 @@ class TrainConfig:
                 f"train.shuffle_buffer_tokens={self.shuffle_buffer_tokens} is smaller than one step "
                 f"(train.tokens_per_step={self.tokens_per_step}); raise it to at least tokens_per_step"
             )
+        if not self.auxk_coef >= 0:
+            raise ValueError(f"train.auxk_coef: must be >= 0 (0 disables AuxK), got {self.auxk_coef}")
+        for name in ("auxk_k", "dead_window_tokens"):
+            value = getattr(self, name)
+            if value != "auto" and value < 1:
+                raise ValueError(f'train.{name}: must be >= 1 or "auto", got {value}')
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise ValueError(f"train.device: expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', got {self.device!r}")
 

@@ -3,7 +3,14 @@
 The base model only produces activations (see `data/activations.py`); each sparse layer learns `y ≈ layer(x)` with
 the recipe's loss. One AdamW over all layers (their losses are independent, so summing them trains each on its own).
 Data parallelism goes through 🤗 Accelerate: `accelerate launch -m expertize upcycle ...` runs the same code. The
-loop itself (optimizer, schedule, hooks, checkpoints, logs) is `engine.Engine`.
+loop itself (optimizer, schedule, hooks, checkpoints, logs, trackers) is `engine.Engine`.
+
+Dead units: one `auxk.DeadUnitTracker` per layer counts the training tokens since each unit last fired (the fired
+mask is OR-reduced over ranks, so every rank agrees); a unit is dead after `train.dead_window_tokens` ("auto": a
+tenth of the run, at most the paper's 10M). The log records the dead count of every layer. With `train.auxk_coef`
+> 0 the layers whose kind has AuxK add `auxk_coef · auxk_loss` (Gao et al. 2024 §A.2), in which their `k_aux`
+highest-scoring dead units reconstruct the main error; kinds without it (MoE-X, Monet, μMoE) train without it, and
+the log says so once. With `auxk_coef` = 0 the loss, and so the whole trajectory, is exactly the plain one.
 """
 
 from dataclasses import dataclass
@@ -17,11 +24,8 @@ from expertize.modeling import SparseLayer
 from ..data.activations import ActivationBatches
 from ..evaluation.metrics import LOSSES
 from ..recipe import TrainConfig
+from .auxk import DeadUnitTracker, auto_k_aux, auxk_loss, dead_window_tokens, fired_units, supports_auxk
 from .engine import Engine, OptimConfig, run_paths
-
-DEAD_WINDOW_TOKENS = 1_000_000
-"""A unit counts as dead during training if it has not fired in this many tokens (MxD paper App. C.1 uses ~4M)."""
-
 
 
 class SparseStack(nn.Module):
@@ -42,7 +46,8 @@ class TrainState:
 
 
 class Trainer(Engine):
-    """One distillation run: batches of captured (x, y) per layer -> the recipe's loss + routed layers' aux."""
+    """One distillation run: batches of captured (x, y) per layer -> the recipe's loss + routed layers' aux
+    (+ AuxK)."""
 
     name = "distil"
     section = "train"
@@ -62,8 +67,10 @@ class Trainer(Engine):
         progress: bool = True,
         init_output_bias: bool = True,
         log=None,
+        tracking_path: Path | None = None,
     ) -> None:
-        """`checkpoint_path` / `log_path` default to `run_dir/checkpoint/state.pt` and `run_dir/train_log.jsonl`."""
+        """`checkpoint_path` / `log_path` default to `run_dir/checkpoint/state.pt` and `run_dir/train_log.jsonl`;
+        `tracking_path` (the trackers' files, `cfg.log_with`) to `tracking/` beside the log."""
         checkpoint_path, log_path = run_paths(run_dir, checkpoint_path, log_path, "train")
         self.layers, self.activations, self.cfg = layers, batches, cfg
         self.init_output_bias = init_output_bias  # False keeps b_dec (e.g. copied from the dense MLP)
@@ -80,13 +87,26 @@ class Trainer(Engine):
             accelerator=accelerator,
             progress=progress,
             log=log,
+            log_with=cfg.log_with,
+            tracking_path=tracking_path,
         )
         self.log_path = self.train_log.path
         self.loss_fn = LOSSES[cfg.loss]
-        self.window_steps = max(1, DEAD_WINDOW_TOKENS // cfg.tokens_per_step)
-        self.last_fired = {i: torch.full((layer.num_units,), -1, dtype=torch.long) for i, layer in layers.items()}
+        self.window_tokens = (
+            dead_window_tokens(total_steps * cfg.tokens_per_step, cfg.tokens_per_step)
+            if cfg.dead_window_tokens == "auto"
+            else cfg.dead_window_tokens
+        )
+        self.dead_units = {
+            i: DeadUnitTracker(layer.num_units, self.window_tokens, device=accelerator.device)
+            for i, layer in layers.items()
+        }
+        self.auxk_layers = {i for i, layer in layers.items() if cfg.auxk_coef > 0 and supports_auxk(layer)}
+        self.k_aux = {
+            i: auto_k_aux(layers[i].spec.d_out) if cfg.auxk_k == "auto" else cfg.auxk_k for i in self.auxk_layers
+        }
         self.mean_outputs: dict[int, torch.Tensor] = {}
-        self._codes: dict[int, torch.Tensor] = {}
+        self._codes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._hooks = [layer.code_hook.register_forward_hook(self._record_code(i)) for i, layer in layers.items()]
 
     @property
@@ -95,9 +115,28 @@ class Trainer(Engine):
 
     def _record_code(self, index: int):
         def hook(module, args, code) -> None:
-            self._codes[index] = code.top_k_index.detach()[code.top_k_weights.detach() > 0]
+            self._codes[index] = (code.top_k_index.detach(), code.top_k_weights.detach())
 
         return hook
+
+    def auxk_note(self) -> str | None:
+        """What AuxK does in this run, one line (None when train.auxk_coef is 0)."""
+        if self.cfg.auxk_coef == 0:
+            return None
+        without = sorted({layer.spec.kind for i, layer in self.layers.items() if i not in self.auxk_layers})
+        parts = []
+        if self.auxk_layers:
+            k_aux = sorted(set(self.k_aux.values()))
+            parts.append(
+                f"AuxK on (train.auxk_coef={self.cfg.auxk_coef:g}, k_aux={'/'.join(map(str, k_aux))}, dead after "
+                f"{self.window_tokens:,} tokens) for layer(s) {sorted(self.auxk_layers)}"
+            )
+        if without:
+            parts.append(
+                f"kind(s) {', '.join(without)} have no AuxK (their units are not chosen by a top-k over their own "
+                "parameters), so they train without it; set train.auxk_coef=0 to silence this note"
+            )
+        return "; ".join(parts)
 
     # -- engine task ------------------------------------------------------------------------------------------------
 
@@ -106,6 +145,9 @@ class Trainer(Engine):
 
     def start(self, batches, resumed: bool):
         self.model.train()
+        note = self.auxk_note()
+        if note:
+            self._say(note)
         if resumed:
             return batches
         first = next(batches)
@@ -128,22 +170,48 @@ class Trainer(Engine):
         losses = {i: self.loss_fn(outputs[str(i)].float(), y.float()) for i, (_, y) in batch.items()}
         # Routed layers' own auxiliary losses (load balance, ...), already weighted by their specs.
         aux = [layer.aux_loss for layer in self.layers.values() if layer.aux_loss is not None]
-        return sum(losses.values()) + sum(aux), losses
+        total = sum(losses.values()) + sum(aux)
+        auxk = {}
+        for i in sorted(self.auxk_layers):
+            tracker = self.dead_units[i]
+            if not tracker.may_have_dead:  # no unit can be dead before a whole window has passed
+                continue
+            x, y = batch[i]
+            with self.autocast:
+                auxk[i] = auxk_loss(self.layers[i], x, y, outputs[str(i)], tracker.dead_mask(), self.k_aux[i])
+            total = total + self.cfg.auxk_coef * auxk[i]
+        return total, (losses, auxk)
 
-    def record(self, losses: dict[int, torch.Tensor]) -> dict:
-        step, per_layer = self.step, {}
+    def record(self, parts) -> dict:
+        losses, auxk = parts
+        per_layer, units = {}, 0
         for i, loss in losses.items():
-            fired = self._codes[i].cpu()
-            self.last_fired[i][fired] = step
-            n_tokens = self.activations.local_tokens
-            dead = int(((self.last_fired[i] < 0) | (step - self.last_fired[i] >= self.window_steps)).sum())
-            per_layer[str(i)] = {"loss": loss.item(), "l0": fired.numel() / n_tokens, "dead": dead}
-        return {
+            index, weights = self._codes[i]  # (T, K) each: this step's code (its kept positions only)
+            layer_units = self.layers[i].num_units
+            fired = fired_units(index, weights, layer_units)  # (N,) bool
+            if self.num_processes > 1:  # every rank must agree on the dead mask (AuxK acts on it)
+                fired = self.accelerator.reduce(fired.int(), reduction="sum") > 0
+            tracker = self.dead_units[i]
+            tracker.update_fired(fired, self.tokens_per_step)  # global tokens of the step's stream
+            tokens = index.reshape(-1, index.shape[-1]).shape[0] if index.shape[-1] else index.numel()
+            entry = {
+                "loss": loss.item(),
+                "l0": (weights > 0).sum().item() / max(tokens, 1),
+                "dead": int(tracker.dead_mask().sum()),
+            }
+            if i in auxk:
+                entry["auxk"] = auxk[i].item()
+            per_layer[str(i)] = entry
+            units += layer_units
+        record = {
             "loss": sum(v["loss"] for v in per_layer.values()) / len(per_layer),
             "l0": sum(v["l0"] for v in per_layer.values()) / len(per_layer),
             "dead": sum(v["dead"] for v in per_layer.values()),
-            "layers": per_layer,
+            "dead_fraction": sum(v["dead"] for v in per_layer.values()) / units,
         }
+        if auxk:
+            record["auxk"] = sum(v.item() for v in auxk.values()) / len(auxk)
+        return {**record, "layers": per_layer}
 
     def postfix(self, record: dict) -> dict:
         return {"loss": f"{record['loss']:.4g}", "l0": f"{record['l0']:.1f}", "dead": record["dead"]}
@@ -155,10 +223,16 @@ class Trainer(Engine):
         self.accelerator.unwrap_model(self.model).load_state_dict(state)
 
     def extra_state(self) -> dict:
-        return {"mean_outputs": self.mean_outputs, "last_fired": self.last_fired}
+        return {
+            "mean_outputs": self.mean_outputs,
+            "dead_units": {i: tracker.state_dict() for i, tracker in self.dead_units.items()},
+        }
 
     def load_extra_state(self, state: dict) -> None:
-        self.mean_outputs, self.last_fired = state["mean_outputs"], state["last_fired"]
+        self.mean_outputs = state["mean_outputs"]
+        # A checkpoint from before the trackers (no "dead_units") restarts the dead-unit count from this step.
+        for i, saved in state.get("dead_units", {}).items():
+            self.dead_units[i].load_state_dict(saved)
 
     # -- public -----------------------------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ supply only their batches, their loss and what they save beyond the weights.
 The engine owns AdamW, the learning-rate schedule, gradient clipping, bf16 autocast, the sparse layers'
 `before_optimizer_step` / `after_optimizer_step` hooks, non-finite detection, atomic checkpoint / exact resume
 (weights, optimizer, schedule, RNG, step; the data position is a function of the step), the JSONL log and the
-progress bar. One step is
+progress bar, and the experiment trackers (`tracking.py`, `train.log_with`). One step is
 
     loss = compute_loss(batch) -> backward -> layer.before_optimizer_step() -> clip -> AdamW step -> schedule step
     -> zero grads -> layer.after_optimizer_step() -> step += 1 -> record / log / checkpoint
@@ -28,6 +28,7 @@ from torch import nn
 from ..errors import RunFailed
 from .errors import RunInterrupted, TrainingDiverged
 from .log import JsonlLog, truncate_log  # noqa: F401  (truncate_log: re-exported for callers of the old module)
+from .tracking import Tracking, tracking_dir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +117,11 @@ class Engine:
         device: torch.device | None = None,
         progress: bool = True,
         log: Callable[[str], None] | None = None,
+        log_with: str = "none",
+        tracking_path: Path | None = None,
     ) -> None:
+        """`log_with`: Accelerate tracker name or "none"; its files go to `tracking_path` (default: `tracking/`
+        beside the JSONL log), in a run named after the stage (`name`)."""
         self.optim, self.total_steps, self.tokens_per_step = optim, total_steps, tokens_per_step
         self.checkpoint_path, self.train_log = Path(checkpoint_path), JsonlLog(log_path)
         self.hook_layers = list(hook_layers)  # SparseLayers: before/after_optimizer_step
@@ -135,6 +140,9 @@ class Engine:
         self.saved_step: int | None = None  # step of the checkpoint on disk (None: none written or loaded)
         self._between_steps = False  # True while the state is a consistent end-of-step state (safe to save)
         self._loss_finite = torch.ones((), dtype=torch.bool, device=self.device)  # AND over steps, no host sync
+        self.tracking = Tracking(
+            log_with, self.name, Path(tracking_path or tracking_dir(log_path)), is_main_process=self.is_main_process
+        )
 
     # -- task: what distillation / healing supply ----------------------------------------------------------------
 
@@ -229,6 +237,7 @@ class Engine:
         """Train from the checkpoint (if any) to `total_steps`."""
         from tqdm.auto import tqdm
 
+        self.tracking.start()  # a missing tracker package fails before any work
         resumed = self.load_checkpoint()
         if resumed:
             self._say(f"resuming {self.name} from step {self.step} of {self.total_steps} ({self.checkpoint_path})")
@@ -244,7 +253,7 @@ class Engine:
         try:
             batches = self.start(self.batches(self.step), resumed)
             self._between_steps = True
-            started = time.perf_counter()
+            started, first_step = time.perf_counter(), self.step
             while self.step < self.total_steps:
                 batch = next(batches, None)
                 if batch is None:
@@ -274,6 +283,11 @@ class Engine:
                         self._diverged("the loss")
                     if self.is_main_process:
                         self.train_log.append(record)
+                        # Throughput: tokens per second of this process's loop so far (not in the JSONL log, whose
+                        # records are the same for a resumed and an uninterrupted run).
+                        seconds = time.perf_counter() - started
+                        rate = (self.step - first_step) * self.tokens_per_step / max(seconds, 1e-9)
+                        self.tracking.log({**record, "tokens_per_second": rate}, step=self.step)
                 if self.optim.checkpoint_every and self.step % self.optim.checkpoint_every == 0:
                     self.save_checkpoint()
                 # Weights, optimizer, RNG, task bookkeeping and log all describe the end of this step now.
@@ -285,6 +299,7 @@ class Engine:
             raise self._interrupted() from interrupt
         finally:
             bar.close()
+            self.tracking.finish()
             self._between_steps = False
 
     def _backward(self, loss: torch.Tensor) -> None:

@@ -7,6 +7,9 @@ fully; the rest of the model is frozen or adapted with PEFT LoRA and merged back
 is a plain expertize model. The loop (optimizer, schedule, the sparse layers' optimizer hooks, checkpoints, logs) is
 `engine.Engine`.
 
+The log (and the trackers of `train.log_with`) also records the sparse layers' mean L0 and their dead fraction:
+units that have not fired for a tenth of the healing tokens (auxk.dead_window_tokens), over every position.
+
     B sequences per step, L = data.context_length, V vocabulary.
 """
 
@@ -24,6 +27,7 @@ from ..evaluation.metrics import kl_base_to_other, next_token_ce
 from ..errors import ExpertizeError
 from ..recipe import HealConfig
 from ..surgery.families import attention_projections, conv1d_attention
+from .auxk import DeadUnitTracker, dead_window_tokens, fired_units
 from .engine import Engine, OptimConfig, run_paths
 
 def lora_config(cfg: HealConfig, family: str):
@@ -103,8 +107,12 @@ class Healer(Engine):
         precision: str = "fp32",
         progress: bool = True,
         log=None,
+        log_with: str = "none",
+        tracking_path: Path | None = None,
     ) -> None:
-        """`checkpoint_path` / `log_path` default to `run_dir/checkpoint/heal.pt` and `run_dir/heal_log.jsonl`."""
+        """`checkpoint_path` / `log_path` default to `run_dir/checkpoint/heal.pt` and `run_dir/heal_log.jsonl`;
+        `log_with` (train.log_with) names the experiment tracker, whose files go to `tracking_path` (default:
+        `tracking/` beside the log)."""
         checkpoint_path, log_path = run_paths(run_dir, checkpoint_path, log_path, "heal")
         self.cfg, self.base, self.tokenizer = cfg, base, tokenizer
         # Healing reads the train split from its start, with its own budget.
@@ -130,8 +138,26 @@ class Healer(Engine):
             device=device,
             progress=progress,
             log=log,
+            log_with=log_with,
+            tracking_path=tracking_path,
         )
         self.log_path = self.train_log.path
+        self.sparse_layers = sparse_layer_modules(self.model)
+        window = dead_window_tokens(total_steps * self.tokens_per_step, self.tokens_per_step)
+        self.dead_units = {
+            name: DeadUnitTracker(layer.num_units, window, device=device) for name, layer in self.sparse_layers.items()
+        }
+        self._codes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._hooks = [
+            layer.code_hook.register_forward_hook(self._record_code(name))
+            for name, layer in self.sparse_layers.items()
+        ]
+
+    def _record_code(self, name: str):
+        def hook(module, args, code) -> None:
+            self._codes[name] = (code.top_k_index.detach(), code.top_k_weights.detach())
+
+        return hook
 
     # -- engine task ------------------------------------------------------------------------------------------------
 
@@ -182,7 +208,27 @@ class Healer(Engine):
         return loss, {"loss": loss.detach(), self.cfg.objective: objective.detach(), "aux": aux.detach()}
 
     def record(self, parts: dict[str, torch.Tensor]) -> dict:
-        return {key: value.item() for key, value in parts.items()}
+        record = {key: value.item() for key, value in parts.items()}
+        l0, dead, units = [], 0, 0
+        for name, (index, weights) in self._codes.items():
+            tracker = self.dead_units[name]
+            tracker.update_fired(fired_units(index, weights, tracker.num_units), self.tokens_per_step)
+            tokens = index.reshape(-1, index.shape[-1]).shape[0] if index.shape[-1] else index.numel()
+            l0.append((weights > 0).sum().item() / max(tokens, 1))
+            dead += int(tracker.dead_mask().sum())
+            units += tracker.num_units
+        self._codes = {}
+        if l0:
+            record.update(l0=sum(l0) / len(l0), dead=dead, dead_fraction=dead / units)
+        return record
+
+    def extra_state(self) -> dict:
+        return {"dead_units": {name: tracker.state_dict() for name, tracker in self.dead_units.items()}}
+
+    def load_extra_state(self, state: dict) -> None:
+        for name, saved in state.get("dead_units", {}).items():
+            if name in self.dead_units:
+                self.dead_units[name].load_state_dict(saved)
 
     # -- public -----------------------------------------------------------------------------------------------------
 
@@ -199,7 +245,12 @@ class Healer(Engine):
     def fit(self) -> nn.Module:
         """Heal (resuming from the checkpoint if there is one), then return the merged model (an expertize causal
         LM) in eval mode."""
-        self.run()
+        try:
+            self.run()
+        finally:
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks = []
         self.save_checkpoint()  # a run killed after healing resumes straight into evaluation
         model = merge_healed(self.model).eval()
         model.requires_grad_(False)
