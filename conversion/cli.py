@@ -5,6 +5,9 @@
     expertize tasks TEXT --name NAME     offline perplexity + cloze tasks from any text   (conversion/harness/)
     expertize plot-sweep DIR ... --metric M   metric vs K per method                      (conversion/evaluation/)
     expertize push MODEL_DIR --repo-id U/N    upload to the Hugging Face Hub              (conversion/publishing/)
+    expertize inspect MODEL_DIR --corpus N=P  what every unit responds to (JSON + HTML)   (conversion/inspection/)
+    expertize specialize MODEL_DIR ...        domain masking, probing, steering           (conversion/specialization/)
+    expertize capture RECIPE --output DIR     the activation cache                        (conversion/data/cache.py)
 
 Heavy imports (torch, transformers, lm_eval) happen inside the subcommands, so `--help` stays fast.
 """
@@ -18,9 +21,8 @@ from .errors import ExpertizeError
 
 def _upcycle(args: argparse.Namespace) -> int:
     from .recipe import load_recipe
-    from .upcycle import upcycle, upcycle_summary
-
     from .progress import quiet_library_progress
+    from .upcycle import upcycle, upcycle_summary
 
     recipe = load_recipe(args.recipe, args.set)
     with quiet_library_progress(args.no_progress):
@@ -110,6 +112,168 @@ def _push(args: argparse.Namespace) -> int:
     )
     print(f"expertize: pushed {args.model_dir} to {url}")
     return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .inspection import (
+        InspectionError, InspectionSettings, export_delphi, format_prompt_view, inspect_folder, load_for_inspection,
+        parse_corpora, prompt_ids, prompt_view, token_texts,
+    )
+
+    if args.prompt is not None:
+        model, tokenizer = load_for_inspection(args.model_dir, args.device)
+        print(format_prompt_view(prompt_view(model, prompt_ids(tokenizer, args.prompt), token_texts(tokenizer),
+                                             top=args.per_token)))
+        return 0
+    if not args.corpus or not args.output:
+        raise InspectionError("give --corpus NAME=PATH (repeatable) and --output DIR, or --prompt TEXT")
+    layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
+    settings = InspectionSettings(
+        tokens=args.tokens, context_length=args.context_length, batch_size=args.batch_size, top_n=args.top_n,
+        left=args.left, right=args.right, vocab_top=args.vocab_top, layers=layers,
+        collect_locations=args.export == "delphi",
+    )
+    stats = inspect_folder(
+        args.model_dir, parse_corpora(args.corpus), settings, device=args.device,
+        progress=None if args.no_progress else _inspect_progress,
+    )
+    if not args.no_progress:
+        print(file=sys.stderr)
+    written = stats.write(args.output)
+    if args.export == "delphi":
+        export_delphi(stats, os.path.join(args.output, "delphi_cache"))
+        written.append(os.path.join(args.output, "delphi_cache"))
+    for layer, ls in sorted(stats.layers.items()):
+        dead = int((ls.counts == 0).sum())
+        print(f"layer {layer} ({ls.kind}): {ls.num_units:,} units, {dead:,} dead over {stats.tokens:,} tokens")
+    _stderr(f"wrote {', '.join(str(p) for p in written)}")
+    return 0
+
+
+def _inspect_progress(done: int, total: int) -> None:
+    print(f"\rexpertize: inspect: {done:,} / {total:,} tokens", end="", file=sys.stderr, flush=True)
+
+
+def _add_inspect(sub) -> None:
+    ins = sub.add_parser(
+        "inspect",
+        help="what every sparse unit responds to: JSON per layer and an offline HTML explorer, or a prompt's units",
+        description="One pass of MODEL_DIR over the named corpora, every sparse layer at once: per unit its firing "
+        "frequency (overall and per corpus), mean and max activation, top activating contexts and the tokens it "
+        "promotes / suppresses; router kinds add load per expert and router entropy. Writes DIR/layer_<i>.json and "
+        "DIR/index.html (self-contained, opens from disk). With --prompt: the units firing on each token.",
+    )
+    ins.add_argument("model_dir", help="an expertize model folder (written by `expertize upcycle` or save_model)")
+    ins.add_argument("--corpus", action="append", default=[], metavar="NAME=PATH",
+                     help="a named corpus (.txt: one document per line or blank-line blocks; .jsonl: a \"text\" "
+                     "field); repeat for per-domain firing rates, e.g. --corpus code=code.txt "
+                     "--corpus wiki=wiki.jsonl")
+    ins.add_argument("--tokens", type=int, default=100_000, help="tokens read from each corpus (default 100000)")
+    ins.add_argument("--output", help="folder for layer_<i>.json and index.html")
+    ins.add_argument("--prompt", help="print the units firing on each token of this text instead")
+    ins.add_argument("--per-token", type=int, default=5, help="--prompt: units shown per token and layer (default 5)")
+    ins.add_argument("--layers", help="comma-separated sparse layer indices (default: all)")
+    ins.add_argument("--top-n", type=int, default=10, help="top activating contexts kept per unit (default 10)")
+    ins.add_argument("--left", type=int, default=12, help="context tokens before the peak (default 12)")
+    ins.add_argument("--right", type=int, default=4, help="context tokens after the peak (default 4)")
+    ins.add_argument("--vocab-top", type=int, default=10, help="promoted / suppressed tokens per unit (default 10)")
+    ins.add_argument("--context-length", type=int, default=128, help="tokens per sequence (default 128)")
+    ins.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
+    ins.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps (default cpu)")
+    ins.add_argument("--export", choices=["delphi"], help="also write a delphi latent cache to DIR/delphi_cache")
+    ins.add_argument("--no-progress", action="store_true", help="no progress line")
+    ins.set_defaults(func=_inspect)
+
+
+def _specialize(args: argparse.Namespace) -> int:
+    import json
+
+    from .inspection import parse_corpora
+    from .specialization import SpecializationSettings, specialize_folder
+
+    ks = tuple(int(k) for k in args.probe_k.split(",") if k.strip())
+    settings = SpecializationSettings(ratio=args.ratio, seed=args.seed, probe_ks=ks, probe_top=args.probe_top,
+                                      steer_scale=args.steer_scale, batch_size=args.batch_size)
+    if not 0 < args.eval_fraction < 1:
+        from .specialization import SpecializationError
+
+        raise SpecializationError(f"--eval-fraction must be between 0 and 1, got {args.eval_fraction}; e.g. 0.3")
+    report = specialize_folder(
+        args.model_dir, parse_corpora(args.corpus), settings, layer=args.layer, fit_tokens=args.tokens,
+        eval_tokens=args.eval_tokens, context_length=args.context_length, eval_fraction=args.eval_fraction,
+        base=args.base, device=args.device,
+    )
+    print(report.format())
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report.to_json(), f, indent=1)
+        _stderr(f"wrote {args.json}")
+    return 0
+
+
+def _add_specialize(sub) -> None:
+    sp = sub.add_parser(
+        "specialize",
+        help="do the sparse units specialize to domains? domain masking, sparse probing and steering",
+        description="Split each named domain corpus by document (seeded hash) into fit and held-out documents; on "
+        "the fit side assign units to domains (Monet's rule), pick steering units and train probes; on the held-out "
+        "side report ΔCE of ablating each domain's units (vs random live units), k-sparse probe F1 and the CE drop "
+        "from steering a domain's unit (vs a random live unit).",
+    )
+    sp.add_argument("model_dir", help="an expertize model folder")
+    sp.add_argument("--corpus", action="append", default=[], metavar="NAME=PATH",
+                    help="a domain corpus (.txt or .jsonl); give at least two")
+    sp.add_argument("--layer", type=int, help="the sparse layer (default: the model's only one)")
+    sp.add_argument("--base", help="the dense base model (folder or hub id) for the probing baseline on its MLP "
+                    "neurons (default: no baseline)")
+    sp.add_argument("--tokens", type=int, default=32_768, help="fit tokens per domain (default 32768)")
+    sp.add_argument("--eval-tokens", type=int, default=8_192, help="held-out tokens per domain (default 8192)")
+    sp.add_argument("--eval-fraction", type=float, default=0.3, help="documents held out (default 0.3)")
+    sp.add_argument("--context-length", type=int, default=128, help="tokens per context (default 128)")
+    sp.add_argument("--ratio", type=float, default=2.0, help="assignment ratio of Monet's rule (default 2)")
+    sp.add_argument("--probe-k", default="1,2,4,8,16", help="k of the k-sparse probes (default 1,2,4,8,16)")
+    sp.add_argument("--probe-top", type=int, default=100, help="units tried as 1-D probes per domain (default 100)")
+    sp.add_argument("--steer-scale", type=float, default=4.0, help="λ in units of the unit's mean activation (4)")
+    sp.add_argument("--seed", type=int, default=0, help="split, controls and probes seed (default 0)")
+    sp.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
+    sp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps (default cpu)")
+    sp.add_argument("--json", help="also write the full report as JSON to this file")
+    sp.set_defaults(func=_specialize)
+
+
+def _capture(args: argparse.Namespace) -> int:
+    from .data.cache import capture_activations
+    from .progress import quiet_library_progress
+    from .recipe import load_recipe
+
+    recipe = load_recipe(args.recipe, args.set)
+    with quiet_library_progress(args.no_progress):
+        out = capture_activations(recipe, args.output, dtype=args.dtype, shard_tokens=args.shard_tokens,
+                                  log=None if args.no_progress else _stderr)
+    print(f"expertize: wrote the activation cache {out}; train from it with\n"
+          f"  expertize upcycle {args.recipe} --set data.activation_cache={out}")
+    return 0
+
+
+def _add_capture(sub) -> None:
+    ca = sub.add_parser(
+        "capture",
+        help="capture a recipe's MLP inputs/outputs once into an activation cache that many upcycle runs train from",
+        description="Run the base model over the recipe's training text (its data: section and train_tokens budget) "
+        "and write the (input, output) pairs of its target MLPs to DIR as safetensors shards, with cache.json "
+        "recording the base model, layers and data section that produced them. `upcycle` reads them when "
+        "data.activation_cache names DIR (and refuses a cache captured for another model, layers or data). The "
+        "folder appears only once the capture is complete.",
+    )
+    ca.add_argument("recipe", help="recipe YAML, or the name of a recipe shipped with expertize (e.g. quickstart)")
+    ca.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a recipe value, as for upcycle (repeatable)")
+    ca.add_argument("--output", help="the cache folder to create (default: the recipe's data.activation_cache)")
+    ca.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                    help="stored precision (default: the base model's, the recipe's dtype)")
+    ca.add_argument("--shard-tokens", type=int, help="tokens per shard file (default: about 256 MiB per shard)")
+    ca.add_argument("--no-progress", action="store_true", help="no progress lines (ours and the libraries')")
+    ca.set_defaults(func=_capture)
 
 
 def _add_eval(sub) -> None:
@@ -230,6 +394,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tasks(sub)
     _add_plot_sweep(sub)
     _add_push(sub)
+    _add_inspect(sub)
+    _add_specialize(sub)
+    _add_capture(sub)
     return parser
 
 

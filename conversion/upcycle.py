@@ -12,6 +12,7 @@ again resumes from it, and `restart=True` (`--restart`) discards it.
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -19,7 +20,8 @@ import torch
 from expertize.modeling import SparseLayer, build_sparse_layer
 
 from .data.activations import ActivationBatches
-from .data.capture import MlpCapture
+from .data.cache import cached_batches, open_matching_cache
+from .data.capture import MlpCapture, excluded_token_ids
 from .data.text import iter_sequences, load_eval_sequences
 from .errors import RunFailed
 from .evaluation.evaluate import evaluate_sparse_layers, spliced_ce
@@ -50,6 +52,7 @@ def upcycle(recipe: Recipe, *, progress: bool = True, restart: bool = False, log
     folder = RunFolder(recipe.output_dir, is_main_process=_is_main_rank())
     folder.check_claimable(resolved, restart=restart)  # output_dir problems first: they are the cheapest to find
     plan = plan_run(recipe, world_size=world_size())
+    open_matching_cache(recipe, plan.layer_ids)  # data.activation_cache: a mismatched cache is refused before the claim
     accelerator = make_accelerator(plan.device)
     folder.is_main_process = accelerator.is_main_process
     if accelerator.is_main_process:
@@ -132,7 +135,9 @@ def distil(plan: RunPlan, base, trained: Trained, folder: RunFolder, accelerator
     recipe = plan.recipe
     if not recipe.train.distill:
         return
-    batches = activation_batches(
+    cache = open_matching_cache(recipe, plan.layer_ids)  # None: capture live; else read the pairs from disk
+    stream = activation_batches if cache is None else partial(cached_batches, cache)
+    batches = stream(
         recipe, base, plan.tokenizer, plan.layer_ids, plan.distill_steps, accelerator.device,
         rank=accelerator.process_index, world_size=accelerator.num_processes,
     )
@@ -157,7 +162,7 @@ def heal(plan: RunPlan, base, trained: Trained, folder: RunFolder, accelerator, 
     healer = Healer(
         spliced, base, plan.tokenizer, recipe.data, recipe.heal, family=plan.family, device=accelerator.device,
         checkpoint_path=folder.heal_state, log_path=folder.heal_log, precision=recipe.train.precision,
-        progress=progress, log=say,
+        progress=progress, log=say, log_with=recipe.train.log_with,
     )
     trained.healed_model = healer.fit()
     trained.layers = trained.healed_model.sparse_layers()
@@ -173,6 +178,7 @@ def publish(plan: RunPlan, base, trained: Trained, folder: RunFolder, accelerato
         metrics = evaluate_sparse_layers(
             base, trained.layers, trained.eval_sequences, recipe.eval, plots_dir=stage.plots_dir,
             mean_outputs=trained.mean_outputs, spliced_model=trained.healed_model, progress=progress,
+            exclude_token_ids=excluded_token_ids(recipe.data, plan.tokenizer),
         )
         plot_loss_curve([folder.train_log, folder.heal_log], stage.plots_dir / LOSS_PLOT)
         metrics["train"] = {"steps": trained.steps, "tokens": trained.steps * recipe.train.tokens_per_step}
@@ -223,6 +229,7 @@ def activation_batches(
         device=device,
         rank=rank,
         world_size=world_size,
+        exclude_token_ids=excluded_token_ids(data, tokenizer),
     )
 
 

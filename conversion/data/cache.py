@@ -1,0 +1,402 @@
+"""The activation cache: capture the target MLPs' (input, output) pairs once, train many runs from disk.
+
+    expertize capture RECIPE --output DIR      ->  DIR/cache.json + DIR/shard-00000.safetensors, ...
+    data: {activation_cache: DIR}              ->  `upcycle` reads the pairs instead of running the base model
+
+What is stored: the train stream of the recipe's data section (`iter_sequences(data, tokenizer, "train")`, the same
+ceil(train_tokens / T) packed sequences a live run captures), in stream order, before any shuffle. Shard i holds
+whole consecutive sequences: `layer.{L}.x` / `layer.{L}.y` (sequences * T, d) for every captured layer L and
+`input_ids` (sequences, T) int32 (so the excluded special positions can be recomputed: the cache does not depend
+on data.exclude_special_positions). `cache.json`, the manifest, records what produced the pairs (base model,
+revision, base dtype, layers, the resolved data section, the corpus files and sizes), the shards (sequences, bytes,
+sha256) and the versions.
+
+Deterministic training from a cache: `CachedActivationBatches` is `ActivationBatches` with its `_rows` (a chunk's
+rows in stream order) read from the shards instead of captured, so the chunking, the seeded per-chunk permutation,
+the step windows, the excluded positions, the data-parallel split and the exact resume by step are the same code.
+Hence a run from a float32 cache of a float32 base sees bit-identical batches to the live run whenever each
+sequence's capture does not depend on which sequences share its forward batch: exactly so on one process when the
+shuffle chunk (`chunk_sequences`) is a multiple of `train.capture_batch_sequences` (the capture batches are then
+the same; the quickstart and the tests), otherwise equal to float rounding of the base forward. A bfloat16 / float16
+cache of a float32 base is rounded once, at capture.
+
+Refusals, before any work: a folder without `cache.json` (an interrupted capture writes into a hidden staging
+folder renamed into place only when complete, so it never leaves one), and a manifest that does not match the
+recipe (another base model / revision / dtype, a missing layer, another data section or corpus, a smaller token
+budget) -> `CacheMismatch` naming the fields and the fix.
+"""
+
+import bisect
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+from collections.abc import Callable, Collection
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ExpertizeError
+from .activations import ActivationBatches, Batch
+from .capture import kept_positions
+from .text import resolve_paths, token_budget_to_sequences
+
+__all__ = [
+    "CACHE_MANIFEST", "STORAGE_DTYPES", "ActivationCache", "CacheError", "CacheMismatch", "CachedActivationBatches",
+    "cached_batches", "capture_activations", "open_matching_cache",
+]
+
+CACHE_MANIFEST = "cache.json"
+CACHE_FORMAT = 1
+STORAGE_DTYPES = ("float32", "bfloat16", "float16")
+SHARD_BYTES = 256 * 2**20
+"""Default shard size (whole sequences, at least one): a shard is read whole into memory only by `capture`."""
+NOT_COMPARED = ("paths", "train_tokens", "eval_tokens", "exclude_special_positions", "activation_cache", "streaming")
+"""data fields a cache need not match: paths are compared as resolved files and sizes, train_tokens as coverage;
+eval_tokens does not touch the train stream, excluded positions are recomputed from the stored token ids, the cache
+folder names itself, and streaming changes how a hub dataset is read, not what it holds. Every other (and any
+future) data field must be equal."""
+
+Log = Callable[[str], None]
+
+
+class CacheError(ExpertizeError):
+    """An activation cache cannot be written or read (missing, incomplete, already there); the message says the fix."""
+
+
+class CacheMismatch(CacheError):
+    """The cache was captured for another base model, other layers or another data section than the recipe's."""
+
+
+def _shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What identifies a cache
+
+
+def _base_identity(recipe) -> dict[str, Any]:
+    path = Path(os.path.expanduser(recipe.base_model))
+    model = str(path.resolve()) if path.exists() else recipe.base_model
+    return {"base_model": model, "base_revision": recipe.base_revision, "dtype": recipe.dtype}
+
+
+def _stream_identity(data) -> dict[str, Any]:
+    """The data fields that decide the train stream's sequences (see NOT_COMPARED) and the corpus files' sizes."""
+    fields = {f.name: getattr(data, f.name) for f in dataclasses.fields(data) if f.name not in NOT_COMPARED}
+    fields["corpus"] = [
+        {"file": str(Path(p).resolve()), "bytes": os.path.getsize(p)} for p in resolve_paths(data.paths)
+    ] if data.paths else []
+    return json.loads(json.dumps(fields))  # what the manifest holds after a round trip (tuples -> lists)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Writing
+
+
+class _ShardWriter:
+    """Collects captured batches on the CPU and writes them as shards of `per_shard` whole sequences."""
+
+    def __init__(self, folder: Path, layers: list[int], dtype: torch.dtype, per_shard: int) -> None:
+        self.folder, self.layers, self.dtype, self.per_shard = folder, layers, dtype, per_shard
+        self.ids: list[torch.Tensor] = []  # (B, T) each
+        self.pairs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in layers}
+        self.shards: list[dict[str, Any]] = []
+        self.sequences = 0
+
+    def add(self, input_ids: torch.Tensor, pairs: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """input_ids (B, T); pairs layer -> (x, y), each (B*T, d) in the base model's dtype."""
+        self.ids.append(input_ids.cpu())
+        for i in self.layers:
+            x, y = pairs[i]
+            stored = x.to("cpu", self.dtype), y.to("cpu", self.dtype)
+            if x.dtype != self.dtype and not all(torch.isfinite(t).all() for t in stored):  # a narrower dtype
+                raise CacheError(
+                    f"layer {i}'s activations overflow {self.dtype} (values beyond its range became inf); capture "
+                    "with --dtype bfloat16 or float32"
+                )
+            self.pairs[i].append(stored)
+        while sum(len(b) for b in self.ids) >= self.per_shard:
+            self._write(self.per_shard)
+
+    def close(self) -> None:
+        if self.ids:
+            self._write(sum(len(b) for b in self.ids))
+
+    def _write(self, n: int) -> None:
+        """Write the first `n` buffered sequences as the next shard."""
+        ids = torch.cat(self.ids)  # (S, T)
+        t = ids.shape[1]
+        tensors = {"input_ids": ids[:n].to(torch.int32).contiguous()}
+        self.ids = [ids[n:]] if len(ids) > n else []
+        for i in self.layers:
+            x = torch.cat([a for a, _ in self.pairs[i]])  # (S*T, d_in)
+            y = torch.cat([b for _, b in self.pairs[i]])  # (S*T, d_out)
+            tensors[f"layer.{i}.x"], tensors[f"layer.{i}.y"] = x[: n * t].contiguous(), y[: n * t].contiguous()
+            self.pairs[i] = [(x[n * t :], y[n * t :])] if len(ids) > n else []
+        from safetensors.torch import save_file
+
+        path = self.folder / _shard_name(len(self.shards))
+        save_file(tensors, str(path), metadata={"first_sequence": str(self.sequences), "sequences": str(n)})
+        self.shards.append({"file": path.name, "sequences": n, "tokens": n * t, "bytes": path.stat().st_size,
+                            "sha256": _sha256(path)})
+        self.sequences += n
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def capture_activations(
+    recipe, output: str | os.PathLike | None = None, *, dtype: str | None = None, shard_tokens: int | None = None,
+    log: Log | None = None,
+) -> Path:
+    """Capture the recipe's train stream at its target layers into the cache folder `output` (default
+    data.activation_cache), stored as `dtype` (default: the base model's, recipe.dtype); returns the folder.
+
+    The base model runs in recipe.dtype on train.device under no_grad, train.capture_batch_sequences sequences per
+    forward (as a live run). Shards of `shard_tokens` tokens (rounded up to whole sequences; default ~256 MiB)."""
+    from ..preflight import plan_run
+    from ..publishing.run_folder import write_json
+    from ..surgery.splice import load_base_model
+    from .capture import MlpCapture
+    from .text import batch_sequences, iter_sequences
+
+    say = log or (lambda message: None)
+    target = output if output is not None else recipe.data.activation_cache
+    if target is None:
+        raise CacheError("no cache folder: give --output DIR (or set data.activation_cache in the recipe)")
+    output = Path(target)
+    dtype = dtype or recipe.dtype
+    if dtype not in STORAGE_DTYPES:
+        raise CacheError(f"cache dtype must be one of {list(STORAGE_DTYPES)}, got {dtype!r}")
+    if output.exists():
+        raise CacheError(
+            f"{output} already exists; a cache is never overwritten: choose another --output or delete the folder"
+        )
+    if not recipe.train.distill:
+        raise CacheError("train.distill is false, so no run reads captured activations; nothing to capture")
+    plan = plan_run(recipe)  # the recipe's checks (base, layers, corpus budget), as `upcycle` makes them
+    data, t = recipe.data, recipe.data.context_length
+    wanted = token_budget_to_sequences(data.train_tokens, t)
+    base = load_base_model(recipe.base_model, dtype=getattr(torch, recipe.dtype)).to(plan.device).eval()
+    base.requires_grad_(False)
+    storage = getattr(torch, dtype)
+    d = plan.shape.d_model  # the MLP reads and writes the residual width
+    bytes_per_token = len(plan.layer_ids) * 2 * d * storage.itemsize + 4  # x and y per layer, int32 token id
+    per_shard = (
+        max(1, SHARD_BYTES // (bytes_per_token * t)) if shard_tokens is None else max(1, math.ceil(shard_tokens / t))
+    )
+    staging = output.parent / f".{output.name}.partial"
+    if staging.exists():  # left by a capture killed before it finished
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    try:
+        writer = _ShardWriter(staging, plan.layer_ids, storage, per_shard)
+        capture = MlpCapture(base, plan.layer_ids)
+        sequences = iter_sequences(data, plan.tokenizer, split="train")
+        logged = 0
+        with torch.no_grad():
+            for input_ids in batch_sequences(sequences, recipe.train.capture_batch_sequences):  # (B, T)
+                writer.add(input_ids, capture(input_ids.to(plan.device)))
+                if len(writer.shards) > logged:
+                    logged = len(writer.shards)
+                    say(f"capture: {writer.sequences * t:,} / {wanted * t:,} tokens ({logged} shard(s))")
+        writer.close()
+        if not writer.sequences:
+            raise CacheError("the train split gave no sequence; add text or lower data.context_length")
+        from expertize import __version__
+        from importlib import metadata
+
+        manifest = {
+            "format": CACHE_FORMAT,
+            "expertize": __version__,
+            "packages": {name: metadata.version(name) for name in ("torch", "transformers", "safetensors")},
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "base": _base_identity(recipe),
+            "layers": plan.layer_ids,
+            "d_model": d,
+            "storage_dtype": dtype,
+            "device": str(plan.device),
+            "capture_batch_sequences": recipe.train.capture_batch_sequences,
+            "stream": _stream_identity(data),
+            "data": {k: v for k, v in dataclasses.asdict(data).items() if k != "activation_cache"},
+            "context_length": t,
+            "train_tokens": data.train_tokens,
+            "sequences": writer.sequences,
+            "tokens": writer.sequences * t,
+            "exhausted": writer.sequences < wanted,
+            "shards": writer.shards,
+        }
+        write_json(staging / CACHE_MANIFEST, manifest)  # last: a folder without it is incomplete
+        os.replace(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    say(f"capture: wrote {manifest['tokens']:,} tokens of layer(s) {plan.layer_ids} as {dtype} to {output}")
+    return output
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading
+
+
+class ActivationCache:
+    """A complete cache folder: its manifest and random access to whole sequences."""
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.folder = Path(folder)
+        fix = (f"write it with `expertize capture RECIPE --output {self.folder}`, or remove data.activation_cache "
+               "to capture while training")
+        if not self.folder.is_dir():
+            raise CacheError(f"data.activation_cache: there is no folder {self.folder}; {fix}")
+        manifest = self.folder / CACHE_MANIFEST
+        if not manifest.is_file():
+            raise CacheError(
+                f"data.activation_cache: {self.folder} holds no {CACHE_MANIFEST}, so it is not a complete activation "
+                f"cache (an interrupted capture); delete it and {fix}"
+            )
+        self.manifest = json.loads(manifest.read_text(encoding="utf-8"))
+        if self.manifest.get("format") != CACHE_FORMAT:
+            raise CacheError(
+                f"data.activation_cache: {self.folder} has cache format {self.manifest.get('format')!r}, this "
+                f"expertize reads format {CACHE_FORMAT}; capture it again ({fix})"
+            )
+        for shard in self.manifest["shards"]:
+            path = self.folder / shard["file"]
+            if not path.is_file() or path.stat().st_size != shard["bytes"]:
+                raise CacheError(f"data.activation_cache: shard {path} is missing or truncated; delete the cache and "
+                                 f"{fix}")
+        self.context_length = self.manifest["context_length"]
+        self.layers = list(self.manifest["layers"])
+        self.sequences = self.manifest["sequences"]
+        counts = [s["sequences"] for s in self.manifest["shards"]]
+        self._starts = [sum(counts[:i]) for i in range(len(counts))]  # first sequence of each shard
+        self._open: dict[int, Any] = {}
+
+    def mismatches(self, recipe, layer_ids: Collection[int]) -> list[str]:
+        """What differs between the cache and the recipe, one line each (empty: the cache serves this recipe)."""
+        m, out = self.manifest, []
+        for key, want in _base_identity(recipe).items():
+            if m["base"].get(key) != want:
+                out.append(f"{key} (cache: {m['base'].get(key)!r}, recipe: {want!r})")
+        missing = sorted(set(layer_ids) - set(self.layers))
+        if missing:
+            out.append(f"layers (the cache holds {self.layers}, the recipe also needs {missing})")
+        want = _stream_identity(recipe.data)
+        for key in sorted(set(want) | set(m["stream"])):
+            if m["stream"].get(key) != want.get(key):
+                name = "data.paths (the corpus files or their sizes)" if key == "corpus" else f"data.{key}"
+                out.append(f"{name} (cache: {m['stream'].get(key)!r}, recipe: {want.get(key)!r})")
+        needed = token_budget_to_sequences(recipe.data.train_tokens, recipe.data.context_length)
+        if self.sequences < needed and not m["exhausted"]:
+            out.append(f"data.train_tokens (the cache holds {m['tokens']:,} tokens, the recipe needs "
+                       f"{recipe.data.train_tokens:,})")
+        return out
+
+    def check_matches(self, recipe, layer_ids: Collection[int]) -> None:
+        differs = self.mismatches(recipe, layer_ids)
+        if differs:
+            raise CacheMismatch(
+                f"the activation cache {self.folder} was not captured for this recipe; it differs in: "
+                f"{'; '.join(differs)}. Capture it again with `expertize capture RECIPE --output DIR` (a new DIR) and "
+                "point data.activation_cache at it, or remove data.activation_cache to capture while training"
+            )
+
+    def _shard(self, index: int):
+        if index not in self._open:
+            from safetensors import safe_open
+
+            if len(self._open) >= 4:  # memory maps of the shards in use, not of the whole cache
+                self._open.pop(next(iter(self._open)))
+            self._open[index] = safe_open(str(self.folder / self.manifest["shards"][index]["file"]), framework="pt")
+        return self._open[index]
+
+    def read(
+        self, sequences: list[int], layers: list[int], device: torch.device, dtype: torch.dtype
+    ) -> tuple[Batch, torch.Tensor]:
+        """The rows of `sequences` (ascending indices) at `layers`, in that order: (layer -> (x, y), each
+        (len * T, d), on `device` in `dtype`; input_ids (len, T) long)."""
+        t = self.context_length
+        parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in layers}
+        ids = []
+        by_shard: dict[int, list[int]] = {}
+        for s in sequences:
+            by_shard.setdefault(bisect.bisect_right(self._starts, s) - 1, []).append(s)
+        for index, wanted in by_shard.items():
+            local = torch.tensor(wanted) - self._starts[index]  # (n,) sequence indices inside the shard
+            lo, hi = int(local[0]), int(local[-1]) + 1  # read the contiguous range, keep the wanted ones
+            pick = local - lo  # (n,)
+            f = self._shard(index)
+            ids.append(f.get_slice("input_ids")[lo:hi][pick])  # (n, T)
+
+            def rows(key: str) -> torch.Tensor:
+                block = f.get_slice(key)[lo * t : hi * t]  # ((hi - lo) * T, d)
+                return block.view(hi - lo, t, -1)[pick].reshape(-1, block.shape[-1])  # (n * T, d)
+
+            for i in layers:
+                parts[i].append((rows(f"layer.{i}.x"), rows(f"layer.{i}.y")))
+        data = {
+            i: (torch.cat([x for x, _ in ps]).to(device, dtype), torch.cat([y for _, y in ps]).to(device, dtype))
+            for i, ps in parts.items()
+        }
+        return data, torch.cat(ids).long().to(device)
+
+
+class CachedActivationBatches(ActivationBatches):
+    """`ActivationBatches` over a cache: the same chunks, shuffle, steps, exclusions, ranks and resume; the rows come
+    from the shards (cast to `dtype`, the base model's, as a live capture yields them)."""
+
+    def __init__(self, cache: ActivationCache, layers: list[int], *, num_sequences: int, dtype: torch.dtype,
+                 **settings) -> None:
+        """`settings`: ActivationBatches' keywords (context_length, tokens_per_step, shuffle_buffer_tokens, seed,
+        device, rank, world_size, exclude_token_ids); the stream is the cache's first `num_sequences` sequences."""
+        total = min(num_sequences, cache.sequences)
+        super().__init__(None, lambda start: iter(range(start, total)), capture_batch_sequences=1, **settings)
+        self.cache, self.layers, self.dtype = cache, sorted(layers), dtype
+
+    def _rows(self, mine: list[int]) -> tuple[Batch, torch.Tensor | None]:
+        data, input_ids = self.cache.read(mine, self.layers, self.device, self.dtype)
+        return data, kept_positions(input_ids, self.exclude_token_ids)
+
+
+def open_matching_cache(recipe, layer_ids: Collection[int]) -> ActivationCache | None:
+    """The cache named by data.activation_cache, checked against the recipe (CacheError / CacheMismatch); None when
+    the recipe captures while training."""
+    if recipe.data.activation_cache is None or not recipe.train.distill:
+        return None
+    cache = ActivationCache(recipe.data.activation_cache)
+    cache.check_matches(recipe, layer_ids)
+    return cache
+
+
+def cached_batches(
+    cache: ActivationCache, recipe, base, tokenizer, layer_ids: list[int], total_steps: int, device: torch.device,
+    *, rank: int = 0, world_size: int = 1,
+) -> CachedActivationBatches:
+    """`upcycle.activation_batches`' stream, read from `cache` (same arguments after it)."""
+    from .capture import excluded_token_ids
+
+    train, data = recipe.train, recipe.data
+    return CachedActivationBatches(
+        cache, layer_ids,
+        num_sequences=token_budget_to_sequences(data.train_tokens, data.context_length),
+        dtype=next(base.parameters()).dtype,
+        context_length=data.context_length,
+        tokens_per_step=train.tokens_per_step,
+        shuffle_buffer_tokens=min(train.shuffle_buffer_tokens, total_steps * train.tokens_per_step),
+        seed=train.seed,
+        device=device,
+        rank=rank,
+        world_size=world_size,
+        exclude_token_ids=excluded_token_ids(data, tokenizer),
+    )
