@@ -1,0 +1,52 @@
+"""From a model folder and named corpora: split the documents, pack both sides, run `specialize`."""
+
+import os
+from collections.abc import Mapping
+
+import torch
+
+from .errors import SpecializationError
+from .report import SpecializationReport, SpecializationSettings, specialize
+from .splits import pack_documents, read_documents, split_documents
+
+__all__ = ["split_corpora", "specialize_folder"]
+
+
+def split_corpora(
+    corpora: Mapping[str, str], tokenizer, fit_tokens: int, eval_tokens: int, context_length: int,
+    eval_fraction: float = 0.3, seed: int = 0,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """({domain: (S_fit, T)}, {domain: (S_eval, T)}): each corpus's documents split by seeded hash (splits.py), then
+    packed separately, up to fit_tokens / eval_tokens per domain."""
+    if len(corpora) < 2:
+        raise SpecializationError("give at least two domain corpora: --corpus NAME=PATH, repeated")
+    fit, held = {}, {}
+    for name, path in corpora.items():
+        fit_docs, eval_docs = split_documents(read_documents(name, path), seed, eval_fraction)
+        fit[name] = pack_documents(name, fit_docs, tokenizer, fit_tokens, context_length)
+        held[name] = pack_documents(name, eval_docs, tokenizer, eval_tokens, context_length)
+    return fit, held
+
+
+def specialize_folder(
+    model_dir: str | os.PathLike, corpora: Mapping[str, str], settings: SpecializationSettings | None = None, *,
+    layer: int | None = None, fit_tokens: int = 32_768, eval_tokens: int = 8_192, context_length: int = 128,
+    eval_fraction: float = 0.3, base: str | os.PathLike | None = None, device: str = "cpu",
+) -> SpecializationReport:
+    """Load an expertize model folder (and the dense `base` model for the probing baseline, when given) and measure
+    how its sparse layer specializes over the named corpora {domain: path}."""
+    from ..inspection.folder import _checked_tokenizer, _load_model
+    from ..surgery.splice import load_base_model
+
+    settings = settings or SpecializationSettings()
+    sizes = (("--tokens", fit_tokens), ("--eval-tokens", eval_tokens), ("--context-length", context_length))
+    for name, value in sizes:
+        if value < 2:
+            raise SpecializationError(f"{name} must be at least 2, got {value}")
+    tokenizer = _checked_tokenizer(model_dir)
+    fit, held = split_corpora(corpora, tokenizer, fit_tokens, eval_tokens, context_length, eval_fraction,
+                              settings.seed)
+    model = _load_model(model_dir, device)
+    base_model = None if base is None else load_base_model(str(base)).to(device).eval()
+    special = [i for i in tokenizer.all_special_ids if i is not None]
+    return specialize(model, fit, held, special, settings, layer=layer, base_model=base_model)
