@@ -10,7 +10,7 @@ same order from the same initialization.
     training AdamW lr 1e-2 (benchmarks/all_kinds.py's best shared rate), 50 warm-up steps, cosine to 0.1 lr, 1,024
              tokens per step, NMSE, fp32, special-token positions left out (data.exclude_special_positions)
     AuxK     train.auxk_coef (default 1/32, the paper's), train.auxk_k auto (min(512, d/2)), train.dead_window_tokens
-             auto (a tenth of the run's tokens)
+             auto (1/40 of the run's tokens)
 
 Columns: dead = fraction of units that never fired on the held-out tokens (evaluation; special positions left out);
 dead (train) = fraction dead by the training window at the last step (train_log.jsonl); FVU and L0 on held-out

@@ -205,7 +205,7 @@ def test_kinds_without_auxk_train_without_it_and_say_so(tmp_path):
 
 
 def test_auxk_settings_are_checked():
-    assert TrainConfig().auxk_coef == 0.0 and TrainConfig().auxk_k == "auto"
+    assert TrainConfig().auxk_coef == 1 / 32 and TrainConfig().auxk_k == "auto"  # on by default (the paper's)
     with pytest.raises(ValueError, match=r"train.auxk_coef: must be >= 0 \(0 disables AuxK\), got -1"):
         TrainConfig(auxk_coef=-1)
     with pytest.raises(ValueError, match=r'train.dead_window_tokens: must be >= 1 or "auto", got 0'):
