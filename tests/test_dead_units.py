@@ -163,7 +163,10 @@ def test_auxk_on_equals_the_reference_built_from_the_blocks(kind, tmp_path):
     for r, rec in zip(log, records, strict=True):
         for i, (dead, aux) in rec.items():
             assert r["layers"][i]["dead"] == dead
-            assert r["layers"][i].get("auxk") == pytest.approx(aux, rel=1e-5)
+            if aux is None:  # no window has passed yet: no AuxK term (pytest >= 9.2 refuses approx(None, rel=...))
+                assert r["layers"][i].get("auxk") is None
+            else:
+                assert r["layers"][i].get("auxk") == pytest.approx(aux, rel=1e-5)
     assert any(r["layers"]["0"].get("auxk", 0) > 0 for r in log)  # AuxK acted
     assert all("auxk" not in r for r in log[:2])  # not before a whole window has passed
     # ... and it changed the trajectory (so the test above can fail).
