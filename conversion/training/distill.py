@@ -25,7 +25,7 @@ from ..data.activations import ActivationBatches
 from ..evaluation.metrics import LOSSES
 from ..recipe import TrainConfig
 from .auxk import DeadUnitTracker, auto_k_aux, auxk_loss, dead_window_tokens, fired_units, supports_auxk
-from .engine import Engine, OptimConfig, run_paths
+from .engine import Engine, OptimConfig, remove_hooks, run_paths
 
 
 class SparseStack(nn.Module):
@@ -241,9 +241,7 @@ class Trainer(Engine):
         try:
             self.run()
         finally:
-            for handle in self._hooks:
-                handle.remove()
-            self._hooks = []
+            self._hooks = remove_hooks(self._hooks)
             self.model.eval()
         return self.layers
 

@@ -74,6 +74,13 @@ def lr_lambda(cfg: Any, total_steps: int) -> Callable[[int], float]:
     return factor
 
 
+def remove_hooks(handles) -> list:
+    """Remove forward-hook handles (the code hooks a task reads the sparse codes through); returns []."""
+    for handle in handles:
+        handle.remove()
+    return []
+
+
 def run_paths(
     run_dir: Path | None, checkpoint_path: Path | None, log_path: Path | None, stage: str
 ) -> tuple[Path, Path]:

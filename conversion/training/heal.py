@@ -28,7 +28,7 @@ from ..errors import ExpertizeError
 from ..recipe import HealConfig
 from ..surgery.families import attention_projections, conv1d_attention
 from .auxk import DeadUnitTracker, dead_window_tokens, fired_units
-from .engine import Engine, OptimConfig, run_paths
+from .engine import Engine, OptimConfig, remove_hooks, run_paths
 
 def lora_config(cfg: HealConfig, family: str):
     """The PEFT `LoraConfig` of `cfg` for a model of `family` (base model_type)."""
@@ -248,9 +248,7 @@ class Healer(Engine):
         try:
             self.run()
         finally:
-            for handle in self._hooks:
-                handle.remove()
-            self._hooks = []
+            self._hooks = remove_hooks(self._hooks)
         self.save_checkpoint()  # a run killed after healing resumes straight into evaluation
         model = merge_healed(self.model).eval()
         model.requires_grad_(False)
