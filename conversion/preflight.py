@@ -9,7 +9,6 @@ sparse layer spec against the MLP's shape (K > N, sizes), the device, the memory
 The result, a `RunPlan`, holds what the later stages need so that nothing is resolved twice.
 """
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -23,9 +22,9 @@ from expertize.modeling import MlpShape, SparseSpec
 from .errors import ExpertizeError
 from .harness.folder_eval import LmEvalPlan
 from .recipe import Recipe, resolve_layer_spec, resolve_layers
-from .surgery.families import base_family, family_info, mlp_shape
+from .surgery.families import EXPERTIZE_PREFIX, base_family, family_info, mlp_shape
+from .surgery.splice import local_model_type
 
-EXPERTIZE_PREFIX = "expertize_"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 BYTES_PER_TRAINED_PARAMETER = 16
 """fp32 weight + gradient + AdamW's two moments: what one trained parameter costs during distillation."""
@@ -42,7 +41,6 @@ class RunPlan:
     recipe: Recipe
     base_config: Any
     """The base model's transformers config (weights not loaded yet)."""
-    base_is_local: bool
     family: str
     shape: MlpShape
     layer_ids: list[int]
@@ -51,7 +49,6 @@ class RunPlan:
     distill_steps: int
     lm_eval: LmEvalPlan | None
     tokenizer: Any
-    data_report: Any = None
 
 
 def base_model_config(base_model: str, revision: str | None = None):
@@ -72,7 +69,7 @@ def base_model_config(base_model: str, revision: str | None = None):
                 f"base_model {base_model!r} is a folder without config.json, so it holds no transformers model; "
                 "point it at a folder written by save_pretrained (config.json + weights) or at a Hub id"
             )
-        model_type = str(json.loads(config_file.read_text(encoding="utf-8")).get("model_type", ""))
+        model_type = local_model_type(path)
         if model_type.startswith(EXPERTIZE_PREFIX):
             return family_info(model_type).config_class.from_pretrained(path)
         return AutoConfig.from_pretrained(path)
@@ -190,11 +187,10 @@ def plan_run(recipe: Recipe, *, world_size: int = 1) -> RunPlan:
     budgets = {"data.train_tokens": recipe.data.train_tokens if train.distill else 0,
                "heal.tokens": recipe.heal.tokens if recipe.heal is not None else 0}
     key = max(budgets, key=budgets.get)
-    report = check_data(recipe.data, tokenizer, train_tokens=budgets[key], train_key=key)
+    check_data(recipe.data, tokenizer, train_tokens=budgets[key], train_key=key)
     return RunPlan(
         recipe=recipe,
         base_config=config,
-        base_is_local=Path(os.path.expanduser(recipe.base_model)).exists(),
         family=family,
         shape=shape,
         layer_ids=layer_ids,
@@ -203,5 +199,4 @@ def plan_run(recipe: Recipe, *, world_size: int = 1) -> RunPlan:
         distill_steps=distill_steps,
         lm_eval=lm_eval,
         tokenizer=tokenizer,
-        data_report=report,
     )

@@ -17,7 +17,8 @@ from expertize.modeling.transcoder import TranscoderSpec
 
 from .coerce import RecipeError
 from .param_match import match_parameter_count
-from .schema import LayerConfig, Recipe, spec_class, spec_field_names
+from .layer_config import LayerConfig, spec_class, spec_field_names
+from .schema import Recipe
 
 __all__ = ["resolve_layer_spec", "resolve_layers"]
 

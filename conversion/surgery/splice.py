@@ -40,14 +40,14 @@ def load_base_model(base: str | os.PathLike | PreTrainedModel, dtype: torch.dtyp
     """A causal LM from a hub id, a local dir or an already loaded module (returned as is)."""
     if isinstance(base, PreTrainedModel):
         return base
-    if _local_model_type(base).startswith(EXPERTIZE_PREFIX):
+    if local_model_type(base).startswith(EXPERTIZE_PREFIX):
         return load_expertize_model(base, dtype=dtype)
     config = AutoConfig.from_pretrained(base)
     base_family(config.model_type)  # fail before loading weights
     return AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
 
 
-def _local_model_type(path: str | os.PathLike) -> str:
+def local_model_type(path: str | os.PathLike) -> str:
     """model_type from a local folder's config.json ("" for hub ids or folders without one)."""
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
@@ -60,7 +60,7 @@ def load_expertize_model(path: str | os.PathLike, dtype: torch.dtype | None = No
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a saved model folder: it has no config.json")
     # AutoConfig would ask for trust_remote_code for our model_type; the family is all we need from config.json.
-    model_type = _local_model_type(path)
+    model_type = local_model_type(path)
     if not model_type.startswith(EXPERTIZE_PREFIX):
         raise ValueError(f"{path} is not an expertize model (config.json has model_type {model_type!r})")
     return family_info(model_type).causal_lm_class.from_pretrained(path, dtype=dtype)
