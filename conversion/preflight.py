@@ -9,6 +9,7 @@ sparse layer spec against the MLP's shape (K > N, sizes), the device, the memory
 The result, a `RunPlan`, holds what the later stages need so that nothing is resolved twice.
 """
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -138,25 +139,48 @@ def available_memory(device: torch.device) -> int | None:
     return None
 
 
-def check_memory(spec: SparseSpec, num_layers: int, device: torch.device, free: int | None = None) -> int:
-    """Refuse sparse layers whose training state cannot fit on `device`; returns the estimate in bytes.
+def check_memory(
+    spec: SparseSpec | list[SparseSpec], num_layers: int, device: torch.device, free: int | None = None
+) -> int:
+    """Refuse sparse layers whose training state cannot fit on `device`; returns the estimate in bytes. A list of
+    specs: variants trained together (all on the device at once).
 
     The estimate counts only the trained layers' fp32 weights, gradients and AdamW moments, a lower bound of what
     the run needs, so a refusal is never a false alarm."""
-    need = spec.num_parameters() * BYTES_PER_TRAINED_PARAMETER * num_layers
+    specs = spec if isinstance(spec, list) else [spec]
+    parameters = sum(s.num_parameters() for s in specs)
+    need = parameters * BYTES_PER_TRAINED_PARAMETER * num_layers
     free = available_memory(device) if free is None else free
     if free is not None and need > free:
+        per = f"{parameters:,} parameters per layer" + (f" over {len(specs)} variants" if len(specs) > 1 else "")
+        fewer = ", train fewer variants at once" if len(specs) > 1 else ""
         raise ExpertizeError(
-            f"the sparse layers need at least {need / 2**30:.1f} GiB on {device} ({spec.num_parameters():,} "
-            f"parameters per layer x {num_layers} layer(s) x {BYTES_PER_TRAINED_PARAMETER} bytes for weights, "
-            f"gradients and AdamW state) but only {free / 2**30:.1f} GiB is free; make the layer smaller "
-            "(layer.match_transcoder, layer.num_experts / num_latents), convert fewer layers, or use a device with "
-            "more memory"
+            f"the sparse layers need at least {need / 2**30:.1f} GiB on {device} ({per} x {num_layers} layer(s) x "
+            f"{BYTES_PER_TRAINED_PARAMETER} bytes for weights, gradients and AdamW state) but only "
+            f"{free / 2**30:.1f} GiB is free; make the layer smaller (layer.match_transcoder, layer.num_experts / "
+            f"num_latents), convert fewer layers{fewer}, or use a device with more memory"
         )
     return need
 
 
-def plan_run(recipe: Recipe, *, world_size: int = 1) -> RunPlan:
+def plan_variants(recipes: list[Recipe], *, world_size: int = 1) -> list[RunPlan]:
+    """`plan_run` of the first recipe, then of each other variant what differs (its layer spec, checked against
+    the same MLP shape), and the memory of all variants together. The variants share everything else (see
+    recipe/variants.py), so the corpus is read and checked once."""
+    first = plan_run(recipes[0], world_size=world_size, check_layer_memory=len(recipes) == 1)
+    plans = [first]
+    for recipe in recipes[1:]:
+        try:
+            spec = resolve_layer_spec(recipe.layer, first.shape)
+        except ExpertizeError as e:
+            raise type(e)(f"variant {Path(recipe.output_dir).name!r}: {e}") from None
+        plans.append(dataclasses.replace(first, recipe=recipe, spec=spec))
+    if len(plans) > 1:
+        check_memory([plan.spec for plan in plans], len(first.layer_ids), first.device)
+    return plans
+
+
+def plan_run(recipe: Recipe, *, world_size: int = 1, check_layer_memory: bool = True) -> RunPlan:
     """Resolve and check everything about `recipe` that needs no training; raises ExpertizeError on a problem."""
     from .data.check import check_data
     from .training.device import resolve_device
@@ -168,7 +192,8 @@ def plan_run(recipe: Recipe, *, world_size: int = 1) -> RunPlan:
     layer_ids = resolve_layers(recipe, config.num_hidden_layers)
     spec = resolve_layer_spec(recipe.layer, shape)
     device = resolve_device(recipe.train.device)
-    check_memory(spec, len(layer_ids), device)
+    if check_layer_memory:
+        check_memory(spec, len(layer_ids), device)
 
     train = recipe.train
     distill_steps = recipe.data.train_tokens // train.tokens_per_step if train.distill else 0

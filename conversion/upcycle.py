@@ -8,12 +8,19 @@ The output folder loads with `AutoModelForCausalLM.from_pretrained(folder, trust
 metrics.json, recipe.resolved.yaml, provenance.json, plots/ and README.md (model card); the folder's layout is
 `publishing/run_folder.py`'s. While training, `checkpoint/` holds the resumable state; running the same command
 again resumes from it, and `restart=True` (`--restart`) discards it.
+
+A recipe with `variants:` (recipe/variants.py) runs the same stages for every variant at once: one base model, one
+activation stream (captured once, or read once from the activation cache) feeding every variant's trainer step by
+step (`training.engine.train_together`), then healing and publishing per variant into output_dir/NAME. A finished
+variant folder is skipped on a rerun; a variant that diverges stops alone, the others are published, and the run
+then fails naming it.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,17 +32,18 @@ from .data.capture import MlpCapture, excluded_token_ids
 from .data.text import iter_sequences, load_eval_sequences
 from .errors import RunFailed
 from .evaluation.evaluate import evaluate_sparse_layers, spliced_ce
-from .preflight import RunPlan, plan_run
+from .preflight import RunPlan, plan_variants
 from .publishing.metrics_schema import load_metrics
 from .publishing.model_folder import refresh_model_card
 from .publishing.records import provenance, recipe_summary
-from .publishing.run_folder import PROVENANCE, RESOLVED_RECIPE, RunFolder
-from .recipe import Recipe, recipe_to_dict
+from .publishing.run_folder import METRICS, PROVENANCE, RESOLVED_RECIPE, RunFolder, RunFolderTaken
+from .recipe import Recipe, recipe_to_dict, variant_recipes
 from .surgery.dense_init import init_moe_from_dense
 from .surgery.families import decoder_blocks
 from .surgery.splice import load_base_model, splice
 from .training.device import make_accelerator, world_size
 from .training.distill import Trainer
+from .training.engine import rng_state, set_rng_state, train_together
 from .training.errors import RunInterrupted
 from .training.heal import Healer
 from .training.log import plot_loss_curve
@@ -45,30 +53,72 @@ LOSS_PLOT = "loss.png"
 
 
 def upcycle(recipe: Recipe, *, progress: bool = True, restart: bool = False, log: Log | None = None) -> Path:
-    """Run the whole pipeline for `recipe`; returns the output folder. Resumes an interrupted run of the same
-    recipe in place; `restart=True` discards an unfinished run first. `log` receives one-line status messages."""
+    """Run the whole pipeline for `recipe`; returns the output folder (with variants: the folder holding theirs).
+    Resumes an interrupted run of the same recipe in place; `restart=True` discards an unfinished run first (with
+    variants: the unfinished variants; finished ones are kept and skipped). `log` receives one-line status
+    messages."""
     say = log or (lambda message: None)
-    resolved = recipe_to_dict(recipe)
-    folder = RunFolder(recipe.output_dir, is_main_process=_is_main_rank())
-    folder.check_claimable(resolved, restart=restart)  # output_dir problems first: they are the cheapest to find
-    plan = plan_run(recipe, world_size=world_size())
-    open_matching_cache(recipe, plan.layer_ids)  # data.activation_cache: a mismatched cache is refused before the claim
-    accelerator = make_accelerator(plan.device)
-    folder.is_main_process = accelerator.is_main_process
-    if accelerator.is_main_process:
-        folder.claim(resolved, restart=restart)
+    main = _is_main_rank()
+    if recipe.variants:
+        runs = pending_variants(recipe, restart=restart, is_main_process=main, say=say)
+        if not runs:
+            say(f"every variant in {recipe.output_dir} is finished; nothing to train")
+            return Path(recipe.output_dir)
+    else:
+        folder = RunFolder(recipe.output_dir, is_main_process=main)
+        folder.check_claimable(recipe_to_dict(recipe), restart=restart)  # output_dir problems first: the cheapest
+        runs = [(recipe, folder)]
+    plans = plan_variants([r for r, _ in runs], world_size=world_size())
+    open_matching_cache(plans[0].recipe, plans[0].layer_ids)  # data.activation_cache: a mismatch is refused now
+    accelerator = make_accelerator(plans[0].device)
+    folders = [folder for _, folder in runs]
+    for (run_recipe, folder) in runs:
+        folder.is_main_process = accelerator.is_main_process
+        if accelerator.is_main_process:
+            folder.claim(recipe_to_dict(run_recipe), restart=restart)
     accelerator.wait_for_everyone()
-    if folder.is_resume:
-        say(f"resuming the unfinished run in {folder.root}")
+    for folder in folders:
+        if folder.is_resume:
+            say(f"resuming the unfinished run in {folder.root}")
     try:
-        return _run(plan, folder, accelerator, progress=progress, say=say)
+        _run(plans, folders, accelerator, progress=progress, say=say)
     except KeyboardInterrupt as interrupt:
         if isinstance(interrupt, RunInterrupted):
             raise
         raise RunInterrupted(
-            f"interrupted outside training; the last checkpoint in {folder.checkpoint_dir} is kept. Run the same "
+            f"interrupted outside training; the last checkpoint in {folders[0].checkpoint_dir} is kept. Run the same "
             "command again to resume"
         ) from None
+    return Path(recipe.output_dir) if recipe.variants else folders[0].root
+
+
+def pending_variants(
+    recipe: Recipe, *, restart: bool, is_main_process: bool = True, say: Log = lambda message: None
+) -> list[tuple[Recipe, RunFolder]]:
+    """The variants still to run, each with its folder, checked as claimable (nothing written). A finished variant
+    folder of the same recipe is skipped; of another recipe it is an error (the variant's name is taken)."""
+    parent = RunFolder(recipe.output_dir)
+    if parent.is_finished or parent.claimed_recipe_path.is_file():
+        raise RunFolderTaken(
+            f"output_dir {parent.root} holds a single-model run, but this recipe has variants, which need a folder "
+            "of their own (one subfolder per variant); choose another output_dir"
+        )
+    pending = []
+    for name, variant in variant_recipes(recipe):
+        folder = RunFolder(variant.output_dir, is_main_process=is_main_process)
+        resolved = recipe_to_dict(variant)
+        if folder.is_finished:
+            changed = folder.finished_recipe_differs(resolved)
+            if changed:
+                raise RunFolderTaken(
+                    f"variant {name!r}: {folder.root} holds a finished run of a different recipe (differs at "
+                    f"{', '.join(changed)}); rename the variant, or delete {folder.root} if you no longer need it"
+                )
+            say(f"variant {name!r} is finished ({folder.root}); skipped")
+            continue
+        folder.check_claimable(resolved, restart=restart)
+        pending.append((variant, folder))
+    return pending
 
 
 @dataclass
@@ -82,18 +132,34 @@ class Trained:
     heal_summary: dict | None = None
     init_metrics: dict | None = None
     eval_sequences: torch.Tensor | None = field(default=None, repr=False)
+    rng: Any = field(default=None, repr=False)
+    """The torch RNG state right after the layers were built: where this run's training draws from."""
 
 
-def _run(plan: RunPlan, folder: RunFolder, accelerator, *, progress: bool, say: Log) -> Path:
-    torch.manual_seed(plan.recipe.train.seed)
-    base = load_base(plan, accelerator.device)
-    trained = build_layers(plan, base, accelerator)
-    distil(plan, base, trained, folder, accelerator, progress=progress, say=say)
+def _run(plans: list[RunPlan], folders: list[RunFolder], accelerator, *, progress: bool, say: Log) -> None:
+    base = load_base(plans[0], accelerator.device)
+    trained = []
+    for plan in plans:
+        torch.manual_seed(plan.recipe.train.seed)  # each variant is built as it would be alone
+        trained.append(build_layers(plan, base, accelerator))
+        trained[-1].rng = rng_state()
+    diverged = distil(plans, base, trained, folders, accelerator, progress=progress, say=say)
     if not accelerator.is_main_process:
-        return folder.root
-    heal(plan, base, trained, folder, accelerator, progress=progress, say=say)
-    publish(plan, base, trained, folder, accelerator, progress=progress, say=say)
-    return folder.root
+        return
+    for plan, run, folder in zip(plans, trained, folders):
+        if folder.root.name in diverged and len(plans) > 1:
+            continue
+        set_rng_state(run.rng)  # healing draws from this run's RNG, as it would alone (e.g. LoRA's init)
+        heal(plan, base, run, folder, accelerator, progress=progress, say=say)
+        publish(plan, base, run, folder, accelerator, progress=progress, say=say)
+    if diverged:
+        names = ", ".join(sorted(diverged))
+        raise RunFailed(
+            f"variant(s) {names} diverged and were not published (the other variants were): "
+            + " | ".join(str(error) for error in diverged.values())
+            + ". Change their train: settings in variants: and run the same command with --restart (finished "
+            "variants are kept)"
+        )
 
 
 # -- stages ------------------------------------------------------------------------------------------------------------
@@ -130,25 +196,44 @@ def build_layers(plan: RunPlan, base, accelerator) -> Trained:
     return trained
 
 
-def distil(plan: RunPlan, base, trained: Trained, folder: RunFolder, accelerator, *, progress: bool, say: Log) -> None:
-    """Layer-wise distillation from captured activations (skipped with `train.distill: false`)."""
-    recipe = plan.recipe
+def distil(
+    plans: list[RunPlan], base, trained: list[Trained], folders: list[RunFolder], accelerator, *, progress: bool,
+    say: Log,
+) -> dict[str, Exception]:
+    """Layer-wise distillation from captured activations (skipped with `train.distill: false`): every run (the
+    variants of a recipe) trains on one stream, captured once. Returns the variants that diverged, by name."""
+    recipe = plans[0].recipe
     if not recipe.train.distill:
-        return
-    cache = open_matching_cache(recipe, plan.layer_ids)  # None: capture live; else read the pairs from disk
+        return {}
+    cache = open_matching_cache(recipe, plans[0].layer_ids)  # None: capture live; else read the pairs from disk
     stream = activation_batches if cache is None else partial(cached_batches, cache)
     batches = stream(
-        recipe, base, plan.tokenizer, plan.layer_ids, plan.distill_steps, accelerator.device,
+        recipe, base, plans[0].tokenizer, plans[0].layer_ids, plans[0].distill_steps, accelerator.device,
         rank=accelerator.process_index, world_size=accelerator.num_processes,
     )
-    trainer = Trainer(
-        trained.layers, batches, recipe.train, total_steps=plan.distill_steps, accelerator=accelerator,
-        checkpoint_path=folder.train_state, log_path=folder.train_log, progress=progress,
-        init_output_bias=recipe.layer.init == "default", log=say,
-    )
-    trainer.fit()
-    trainer.save_checkpoint()  # a run killed during evaluation resumes straight into it
-    trained.steps, trained.mean_outputs = plan.distill_steps, trainer.mean_outputs
+    trainers = []
+    for plan, run, folder in zip(plans, trained, folders):
+        set_rng_state(run.rng)  # the trainer starts from this run's RNG (MxD's random K draws from it)
+        trainers.append(Trainer(
+            run.layers, batches, plan.recipe.train, total_steps=plan.distill_steps, accelerator=accelerator,
+            checkpoint_path=folder.train_state, log_path=folder.train_log, progress=progress,
+            init_output_bias=plan.recipe.layer.init == "default", log=say,
+            variant=folder.root.name if len(plans) > 1 else None,
+        ))
+    try:
+        diverged = train_together(trainers)
+    finally:
+        for trainer in trainers:
+            trainer.release()
+    for plan, run, trainer in zip(plans, trained, trainers):
+        if trainer.name in diverged:
+            continue
+        with trainer.own_rng(len(trainers) > 1):
+            trainer.save_checkpoint()  # a run killed during evaluation resumes straight into it
+            run.rng = rng_state()
+        run.steps, run.mean_outputs = plan.distill_steps, trainer.mean_outputs
+    return {folder.root.name: diverged[trainer.name] for trainer, folder in zip(trainers, folders)
+            if trainer.name in diverged}
 
 
 def heal(plan: RunPlan, base, trained: Trained, folder: RunFolder, accelerator, *, progress: bool, say: Log) -> None:
@@ -234,8 +319,16 @@ def activation_batches(
 
 
 def upcycle_summary(folder: str | Path) -> str:
-    """The key results of a finished run folder, a few lines for the end of `expertize upcycle`."""
-    return "\n".join(f"expertize: {line}" for line in load_metrics(folder).summary_lines())
+    """The key results of a finished run folder, a few lines for the end of `expertize upcycle`; for the folder of
+    a recipe's variants, each finished variant's."""
+    folder = Path(folder)
+    if (folder / METRICS).is_file() or not folder.is_dir():
+        return "\n".join(f"expertize: {line}" for line in load_metrics(folder).summary_lines())
+    lines = []
+    for variant in sorted(p for p in folder.iterdir() if (p / METRICS).is_file()):
+        lines.append(f"expertize: variant {variant.name} ({variant}):")
+        lines += [f"expertize:   {line}" for line in load_metrics(variant).summary_lines()]
+    return "\n".join(lines)
 
 
 def _is_main_rank() -> bool:

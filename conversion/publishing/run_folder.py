@@ -219,6 +219,14 @@ class RunFolder:
     def is_finished(self) -> bool:
         return self.metrics_path.is_file()
 
+    def finished_recipe_differs(self, resolved_recipe: dict) -> list[str]:
+        """The keys at which the finished run's recipe.resolved.yaml differs from `resolved_recipe` ([]: same)."""
+        try:
+            saved = yaml.safe_load(self.recipe_path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            saved = None
+        return _diff_keys(saved, resolved_recipe) if isinstance(saved, dict) else ["<unreadable>"]
+
     # -- claim ------------------------------------------------------------------------------------------------------
 
     def check_claimable(self, resolved_recipe: dict, *, restart: bool = False) -> bool:

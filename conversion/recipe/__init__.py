@@ -5,6 +5,7 @@
     loader.py       YAML files and bundled recipes by name, `--set` overrides, ${VAR} expansion, saving
     coerce.py       type checking with key paths and did-you-mean suggestions (shared by the loader and the schema)
     layer_spec.py   resolution against the base model: layer indices and the sparse layer spec of each MLP
+    variants.py     the variants: list (several sparse layers on one activation stream, one folder each)
     param_match.py  sizing a layer to a transcoder's parameter count (layer.match_transcoder)
 """
 
@@ -13,6 +14,7 @@ from .coerce import RecipeError, field_docs
 from .layer_spec import resolve_layer_spec, resolve_layers
 from .loader import assets_dir, bundled_recipes, load_recipe, recipe_from_dict, recipe_to_dict, save_recipe
 from .schema import EvalConfig, HealConfig, LayerConfig, Recipe, TrainConfig
+from .variants import VARIANT_TRAIN_KEYS, VariantConfig, variant_recipes
 
 __all__ = [
     "DataConfig",
@@ -22,6 +24,8 @@ __all__ = [
     "Recipe",
     "RecipeError",
     "TrainConfig",
+    "VARIANT_TRAIN_KEYS",
+    "VariantConfig",
     "assets_dir",
     "bundled_recipes",
     "field_docs",
@@ -31,4 +35,5 @@ __all__ = [
     "resolve_layer_spec",
     "resolve_layers",
     "save_recipe",
+    "variant_recipes",
 ]

@@ -67,13 +67,21 @@ def recipe_from_dict(tree: Mapping[str, Any], overrides: Iterable[str] = (), sou
     for override in overrides:
         _apply_override(tree, override, src)
     tree = _expand_vars(tree, "", src)
-    return build(Recipe, tree, "", src)
+    recipe = build(Recipe, tree, "", src)
+    if recipe.variants:  # each variant is a recipe of its own: its mistakes are found now, not after training
+        from .variants import variant_recipes
+
+        variant_recipes(recipe, source)
+    return recipe
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
     """Plain, YAML/JSON-able dict of every field (defaults included, env vars expanded); `recipe_from_dict` of it
-    gives an equal Recipe."""
-    return plain(recipe)
+    gives an equal Recipe. An empty `variants:` is left out: a one-model recipe resolves as it always did."""
+    tree = plain(recipe)
+    if not tree.get("variants"):
+        tree.pop("variants", None)
+    return tree
 
 
 def save_recipe(recipe: Recipe, path: str | os.PathLike) -> None:

@@ -21,6 +21,7 @@ from typing import Literal
 
 from ..data.text import DataConfig, token_budget_to_sequences
 from .layer_config import LayerConfig
+from .variants import VariantConfig, check_variants
 from .coerce import RecipeError, check_field_types
 
 __all__ = ["EvalConfig", "HealConfig", "LayerConfig", "Recipe", "RecipeError", "TrainConfig"]
@@ -317,7 +318,12 @@ class Recipe:
     """Evaluation after training."""
 
     output_dir: str
-    """Folder receiving checkpoints, metrics, recipe.resolved.yaml and the converted model."""
+    """Folder receiving checkpoints, metrics, recipe.resolved.yaml and the converted model (with `variants:`, the
+    folder holding one such folder per variant)."""
+
+    variants: list[VariantConfig] = dataclasses.field(default_factory=list)
+    """Variants of the sparse layer and its optimizer trained together on one activation stream, one model folder
+    each (output_dir/NAME); see recipe/variants.py. Empty: one model, in output_dir."""
 
     def __post_init__(self) -> None:
         check_field_types(self, "")
@@ -333,6 +339,7 @@ class Recipe:
             duplicates = sorted({i for i in self.layers if self.layers.count(i) > 1})
             if duplicates:
                 raise ValueError(f"layers: index {duplicates[0]} appears more than once in {self.layers}")
+        check_variants(self.variants, self.train.distill)
         if not self.train.distill and self.heal is None:
             raise ValueError(
                 "train.distill is false and there is no heal: section, so nothing would train; add a heal: section "

@@ -68,9 +68,11 @@ class Trainer(Engine):
         init_output_bias: bool = True,
         log=None,
         tracking_path: Path | None = None,
+        variant: str | None = None,
     ) -> None:
         """`checkpoint_path` / `log_path` default to `run_dir/checkpoint/state.pt` and `run_dir/train_log.jsonl`;
-        `tracking_path` (the trackers' files, `cfg.log_with`) to `tracking/` beside the log."""
+        `tracking_path` (the trackers' files, `cfg.log_with`) to `tracking/` beside the log. `variant`: the name of
+        the recipe variant this trainer trains (messages then name it)."""
         checkpoint_path, log_path = run_paths(run_dir, checkpoint_path, log_path, "train")
         self.layers, self.activations, self.cfg = layers, batches, cfg
         self.init_output_bias = init_output_bias  # False keeps b_dec (e.g. copied from the dense MLP)
@@ -89,6 +91,8 @@ class Trainer(Engine):
             log=log,
             log_with=cfg.log_with,
             tracking_path=tracking_path,
+            name=None if variant is None else f"{self.name}[{variant}]",
+            section=None if variant is None else f"variants[{variant}].train",
         )
         self.log_path = self.train_log.path
         self.loss_fn = LOSSES[cfg.loss]
@@ -143,16 +147,14 @@ class Trainer(Engine):
     def batches(self, start_step: int):
         return self.activations.batches(start_step=start_step)
 
-    def start(self, batches, resumed: bool):
+    def begin(self, resumed: bool) -> None:
         self.model.train()
         note = self.auxk_note()
         if note:
-            self._say(note)
-        if resumed:
-            return batches
-        first = next(batches)
-        self._init_output_bias(first)
-        return _prepend(first, batches)
+            self._say(note if self.name == type(self).name else f"{self.name}: {note}")
+
+    def first_batch(self, batch) -> None:
+        self._init_output_bias(batch)
 
     @torch.no_grad()
     def _init_output_bias(self, batch) -> None:
@@ -182,27 +184,31 @@ class Trainer(Engine):
             total = total + self.cfg.auxk_coef * auxk[i]
         return total, (losses, auxk)
 
+    def track(self, parts) -> None:
+        """Every step: which units fired (device-side; OR-reduced over ranks so every rank agrees on the dead mask
+        AuxK acts on)."""
+        for i in parts[0]:
+            index, weights = self._codes[i]  # (T, K) each: this step's code (its kept positions only)
+            fired = fired_units(index, weights, self.layers[i].num_units)  # (N,) bool
+            if self.num_processes > 1:
+                fired = self.accelerator.reduce(fired.int(), reduction="sum") > 0
+            self.dead_units[i].update_fired(fired, self.tokens_per_step)  # global tokens of the step's stream
+
     def record(self, parts) -> dict:
         losses, auxk = parts
         per_layer, units = {}, 0
         for i, loss in losses.items():
-            index, weights = self._codes[i]  # (T, K) each: this step's code (its kept positions only)
-            layer_units = self.layers[i].num_units
-            fired = fired_units(index, weights, layer_units)  # (N,) bool
-            if self.num_processes > 1:  # every rank must agree on the dead mask (AuxK acts on it)
-                fired = self.accelerator.reduce(fired.int(), reduction="sum") > 0
-            tracker = self.dead_units[i]
-            tracker.update_fired(fired, self.tokens_per_step)  # global tokens of the step's stream
+            index, weights = self._codes[i]  # (T, K) each: this step's code
             tokens = index.reshape(-1, index.shape[-1]).shape[0] if index.shape[-1] else index.numel()
             entry = {
                 "loss": loss.item(),
                 "l0": (weights > 0).sum().item() / max(tokens, 1),
-                "dead": int(tracker.dead_mask().sum()),
+                "dead": int(self.dead_units[i].dead_mask().sum()),
             }
             if i in auxk:
                 entry["auxk"] = auxk[i].item()
             per_layer[str(i)] = entry
-            units += layer_units
+            units += self.layers[i].num_units
         record = {
             "loss": sum(v["loss"] for v in per_layer.values()) / len(per_layer),
             "l0": sum(v["l0"] for v in per_layer.values()) / len(per_layer),
@@ -241,11 +247,11 @@ class Trainer(Engine):
         try:
             self.run()
         finally:
-            self._hooks = remove_hooks(self._hooks)
-            self.model.eval()
+            self.release()
         return self.layers
 
+    def release(self) -> None:
+        """Remove the code hooks and put the layers in eval mode: after training, finished or not."""
+        self._hooks = remove_hooks(self._hooks)
+        self.model.eval()
 
-def _prepend(first, rest):
-    yield first
-    yield from rest

@@ -14,6 +14,7 @@ A non-finite loss or weight stops the run with `TrainingDiverged` before anythin
 two steps.
 """
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -126,9 +127,16 @@ class Engine:
         log: Callable[[str], None] | None = None,
         log_with: str = "none",
         tracking_path: Path | None = None,
+        name: str | None = None,
+        section: str | None = None,
     ) -> None:
         """`log_with`: Accelerate tracker name or "none"; its files go to `tracking_path` (default: `tracking/`
-        beside the JSONL log), in a run named after the stage (`name`)."""
+        beside the JSONL log), in a run named after the stage (`name`). `name` / `section` override the class's
+        (e.g. a variant's trainer: "distil[mxd-k8]", "variants[mxd-k8].train")."""
+        if name is not None:
+            self.name = name
+        if section is not None:
+            self.section = section
         self.optim, self.total_steps, self.tokens_per_step = optim, total_steps, tokens_per_step
         self.checkpoint_path, self.train_log = Path(checkpoint_path), JsonlLog(log_path)
         self.hook_layers = list(hook_layers)  # SparseLayers: before/after_optimizer_step
@@ -147,8 +155,10 @@ class Engine:
         self.saved_step: int | None = None  # step of the checkpoint on disk (None: none written or loaded)
         self._between_steps = False  # True while the state is a consistent end-of-step state (safe to save)
         self._loss_finite = torch.ones((), dtype=torch.bool, device=self.device)  # AND over steps, no host sync
+        self._rng = rng_state()  # this engine's RNG when trained together with others (`own_rng`)
+        self._started, self._first_step = time.perf_counter(), 0
         self.tracking = Tracking(
-            log_with, self.name, Path(tracking_path or tracking_dir(log_path)), is_main_process=self.is_main_process
+            log_with, type(self).name, Path(tracking_path or tracking_dir(log_path)), is_main_process=self.is_main_process
         )
 
     # -- task: what distillation / healing supply ----------------------------------------------------------------
@@ -157,16 +167,22 @@ class Engine:
         """The batches of steps `start_step`, `start_step + 1`, ... (a function of the step, for exact resume)."""
         raise NotImplementedError
 
-    def start(self, batches: Iterator[Any], resumed: bool) -> Iterator[Any]:
-        """Before the first step (set train/eval modes; e.g. initialize from the first batch on a fresh run)."""
-        return batches
+    def begin(self, resumed: bool) -> None:
+        """Before the first step (set train/eval modes, say what the run does)."""
+
+    def first_batch(self, batch: Any) -> None:
+        """Called with the batch of step 0 before it is trained on, on a fresh run only (e.g. initialize from it)."""
 
     def compute_loss(self, batch: Any) -> tuple[torch.Tensor, Any]:
-        """(scalar loss to minimize, what `record` needs); run the model under `self.autocast`."""
+        """(scalar loss to minimize, what `track` / `record` need); run the model under `self.autocast`."""
         raise NotImplementedError
 
+    def track(self, parts: Any) -> None:
+        """Every step, after the optimizer step: device-side bookkeeping (e.g. which units fired). Must not move
+        values to the host: the engine synchronizes with the device only at log steps."""
+
     def record(self, parts: Any) -> dict:
-        """The log fields of the step just taken, starting with "loss" (host floats)."""
+        """The log fields of the step just taken (a log step), starting with "loss" (host floats)."""
         raise NotImplementedError
 
     def postfix(self, record: dict) -> dict:
@@ -214,7 +230,7 @@ class Engine:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "cuda_rng": _cuda_rng(),
             "extra": self.extra_state(),
         }
         tmp = self.checkpoint_path.with_name(self.checkpoint_path.name + ".tmp")
@@ -242,8 +258,10 @@ class Engine:
 
     def run(self) -> None:
         """Train from the checkpoint (if any) to `total_steps`."""
-        from tqdm.auto import tqdm
+        train_together([self])
 
+    def open(self) -> bool:
+        """Start the trackers, restore the checkpoint if there is one and say so; True when resumed."""
         self.tracking.start()  # a missing tracker package fails before any work
         resumed = self.load_checkpoint()
         if resumed:
@@ -253,61 +271,72 @@ class Engine:
                 f"warning: {self.section}.warmup_steps={self.optim.warmup_steps} is more than the {self.total_steps} "
                 f"steps of {self.name}, so the learning rate never reaches {self.section}.lr; lower warmup_steps"
             )
-        local_main = self.accelerator is None or self.accelerator.is_local_main_process
-        bar = tqdm(
-            total=self.total_steps, initial=self.step, desc=self.name, disable=not (self.progress and local_main)
-        )
-        try:
-            batches = self.start(self.batches(self.step), resumed)
-            self._between_steps = True
-            started, first_step = time.perf_counter(), self.step
-            while self.step < self.total_steps:
-                batch = next(batches, None)
-                if batch is None:
-                    raise RunFailed(
-                        f"the training data ran out after {self.step} of {self.total_steps} {self.name} steps; "
-                        f"{self.ran_out_fix}"
-                    )
-                self._between_steps = False
-                loss, parts = self.compute_loss(batch)
-                self._backward(loss)
-                self._optimizer_step()
-                self._loss_finite &= torch.isfinite(loss.detach())
-                self.step += 1
-                record = {
-                    "step": self.step,
-                    "tokens": self.step * self.tokens_per_step,
-                    "lr": self.scheduler.get_last_lr()[0],
-                    **self.record(parts),
-                    "seconds": round(time.perf_counter() - started, 3),  # since this process started the loop
-                }
-                if not math.isfinite(record["loss"]):  # a host float already: no extra sync
-                    self._diverged("the loss")
-                bar.update(1)
-                bar.set_postfix(**self.postfix(record))
-                if self.step % self.optim.log_every == 0 or self.step == self.total_steps:
-                    if not bool(self._loss_finite):  # e.g. a NaN aux loss under a finite recorded loss
-                        self._diverged("the loss")
-                    if self.is_main_process:
-                        self.train_log.append(record)
-                        # Throughput: tokens per second of this process's loop so far (not in the JSONL log, whose
-                        # records are the same for a resumed and an uninterrupted run).
-                        seconds = time.perf_counter() - started
-                        rate = (self.step - first_step) * self.tokens_per_step / max(seconds, 1e-9)
-                        self.tracking.log({**record, "tokens_per_second": rate}, step=self.step)
-                if self.optim.checkpoint_every and self.step % self.optim.checkpoint_every == 0:
-                    self.save_checkpoint()
-                # Weights, optimizer, RNG, task bookkeeping and log all describe the end of this step now.
-                self._between_steps = True
+        self.begin(resumed)
+        self._between_steps = True
+        self._started, self._first_step = time.perf_counter(), self.step
+        return resumed
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total_steps
+
+    def train_step(self, batch: Any) -> dict | None:
+        """One optimizer step on `batch`, then log / checkpoint if due; the record at a log step, else None."""
+        self._between_steps = False
+        if self.step == 0:
+            self.first_batch(batch)
+        loss, parts = self.compute_loss(batch)
+        self._backward(loss)
+        self._optimizer_step()
+        self._loss_finite &= torch.isfinite(loss.detach())
+        self.track(parts)
+        self.step += 1
+        record = None
+        if self.step % self.optim.log_every == 0 or self.step == self.total_steps:
+            # The only host synchronization of a step: at log steps (a NaN anywhere since the last one is caught
+            # here, through the device-side AND of the losses' finiteness).
+            if not bool(self._loss_finite):
+                self._diverged("the loss")
+            record = {
+                "step": self.step,
+                "tokens": self.step * self.tokens_per_step,
+                "lr": self.scheduler.get_last_lr()[0],
+                **self.record(parts),
+                "seconds": round(time.perf_counter() - self._started, 3),  # since this process started the loop
+            }
+            if not math.isfinite(record["loss"]):
+                self._diverged("the loss")
+            if self.is_main_process:
+                self.train_log.append(record)
+                # Throughput: tokens per second of this process's loop so far (not in the JSONL log, whose records
+                # are the same for a resumed and an uninterrupted run).
+                seconds = time.perf_counter() - self._started
+                rate = (self.step - self._first_step) * self.tokens_per_step / max(seconds, 1e-9)
+                self.tracking.log({**record, "tokens_per_second": rate}, step=self.step)
+        if self.optim.checkpoint_every and self.step % self.optim.checkpoint_every == 0:
+            self.save_checkpoint()
+        # Weights, optimizer, RNG, task bookkeeping and log all describe the end of this step now.
+        self._between_steps = True
+        if self.done:
             self._require_finite()
-        except KeyboardInterrupt as interrupt:
-            if isinstance(interrupt, RunInterrupted):
-                raise
-            raise self._interrupted() from interrupt
+        return record
+
+    def close(self) -> None:
+        self.tracking.finish()
+        self._between_steps = False
+
+    @contextlib.contextmanager
+    def own_rng(self, enabled: bool = True) -> Iterator[None]:
+        """Run the block with this engine's own torch RNG state (CPU and CUDA), then keep the state it leaves: how
+        engines trained together draw exactly the random numbers they would draw alone (e.g. MxD's random K)."""
+        if not enabled:
+            yield
+            return
+        set_rng_state(self._rng)
+        try:
+            yield
         finally:
-            bar.close()
-            self.tracking.finish()
-            self._between_steps = False
+            self._rng = rng_state()
 
     def _backward(self, loss: torch.Tensor) -> None:
         if self.accelerator is not None:
@@ -383,3 +412,113 @@ class Engine:
     def _say(self, message: str) -> None:
         if self.log is not None and self.is_main_process:
             self.log(message)
+
+
+# -- engines trained together ----------------------------------------------------------------------------------------
+
+
+def train_together(engines: list[Engine]) -> dict[str, TrainingDiverged]:
+    """Train `engines` on one batch stream: the batch of step s (from the first engine's `batches`) goes to every
+    engine whose next step is s, so each engine sees exactly the batches it would see alone. Variants of a recipe
+    (`variants:`) train this way on one activation capture; `Engine.run` is the one-engine case.
+
+    Engines resumed from different steps (a run killed between two engines' checkpoints) are fine: the stream starts
+    at the earliest step and an engine waits until it reaches its own. With several engines each one draws from its
+    own torch RNG (`own_rng`), as it would alone, and one that diverges stops alone: its `TrainingDiverged` is
+    returned by engine name (its last good checkpoint kept) while the others go on. With one engine the error is
+    raised. Ctrl-C saves every engine that is between two steps and raises one `RunInterrupted`.
+    """
+    from tqdm.auto import tqdm
+
+    alone, lead = len(engines) == 1, engines[0]
+    if len({engine.total_steps for engine in engines}) > 1:
+        raise ValueError("engines trained together must have the same total_steps (they share one batch stream)")
+    opened: list[Engine] = []
+    failed: dict[str, TrainingDiverged] = {}
+    local_main = lead.accelerator is None or lead.accelerator.is_local_main_process
+    bar = None
+    try:
+        for engine in engines:
+            with engine.own_rng(not alone):
+                engine.open()
+            opened.append(engine)
+        active = [engine for engine in engines if not engine.done]
+        step = min((engine.step for engine in active), default=lead.total_steps)
+        desc = lead.name if alone else f"{type(lead).name} ({len(engines)} variants)"
+        bar = tqdm(total=lead.total_steps, initial=step, desc=desc, disable=not (lead.progress and local_main))
+        batches = lead.batches(step) if active else iter(())
+        while active:
+            batch = next(batches, None)
+            if batch is None:
+                first = active[0]
+                raise RunFailed(
+                    f"the training data ran out after {step} of {first.total_steps} {first.name} steps; "
+                    f"{first.ran_out_fix}"
+                )
+            records = []
+            for engine in list(active):
+                if engine.step != step:  # resumed further than the stream: waits for its own step
+                    continue
+                try:
+                    with engine.own_rng(not alone):
+                        record = engine.train_step(batch)
+                except TrainingDiverged as diverged:
+                    if alone:
+                        raise
+                    failed[engine.name] = diverged
+                    active.remove(engine)
+                    engine._say(f"{diverged}; the other variants go on")
+                    continue
+                if record is not None:
+                    records.append((engine, record))
+                if engine.done:
+                    active.remove(engine)
+            step += 1
+            bar.update(1)
+            if records:
+                bar.set_postfix(**_postfix(records))
+    except KeyboardInterrupt as interrupt:
+        if isinstance(interrupt, RunInterrupted):
+            raise
+        raise _interrupted_together(opened, alone) from interrupt
+    finally:
+        if bar is not None:
+            bar.close()
+        for engine in opened:
+            engine.close()
+    return failed
+
+
+def _postfix(records: list[tuple[Engine, dict]]) -> dict:
+    if len(records) == 1:
+        engine, record = records[0]
+        return engine.postfix(record)
+    losses = [record["loss"] for _, record in records]
+    return {"loss": f"{min(losses):.4g}..{max(losses):.4g}"}
+
+
+def _interrupted_together(engines: list[Engine], alone: bool) -> RunInterrupted:
+    """Each engine saves its state if it is between two steps (with its own RNG); one message for all."""
+    messages = []
+    for engine in engines:
+        with engine.own_rng(not alone):
+            messages.append(str(engine._interrupted()))
+    if alone:
+        return RunInterrupted(messages[0])
+    return RunInterrupted(f"training of {len(engines)} variants interrupted:\n  " + "\n  ".join(messages))
+
+
+def rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """torch's global RNG state, CPU and CUDA (for `set_rng_state`)."""
+    return torch.get_rng_state(), _cuda_rng()
+
+
+def set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _cuda_rng() -> list[torch.Tensor] | None:
+    return torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None

@@ -184,14 +184,13 @@ class Healer(Engine):
         sequences = iter_sequences(self.data, self.tokenizer, split="train", start_sequence=start)
         return (ids.to(self.device) for ids in batch_sequences(sequences, self.cfg.batch_sequences, drop_last=True))
 
-    def start(self, batches, resumed: bool):
+    def begin(self, resumed: bool) -> None:
         self.base.eval()
         # Dropout off for the whole model (healing fits a deterministic function); the sparse layers in training
         # mode, so that they compute their auxiliary losses and use training-time routing (e.g. batch statistics).
         self.model.eval()
         for layer in sparse_layer_modules(self.model).values():
             layer.train()
-        return batches
 
     def compute_loss(self, input_ids: torch.LongTensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The healing loss of one batch (B, L): objective + aux_loss_coef * routed layers' aux losses."""
@@ -207,17 +206,21 @@ class Healer(Engine):
         loss = objective + self.cfg.aux_loss_coef * aux
         return loss, {"loss": loss.detach(), self.cfg.objective: objective.detach(), "aux": aux.detach()}
 
+    def track(self, parts: dict[str, torch.Tensor]) -> None:
+        """Every step: which units fired (device-side)."""
+        for name, (index, weights) in self._codes.items():
+            tracker = self.dead_units[name]
+            tracker.update_fired(fired_units(index, weights, tracker.num_units), self.tokens_per_step)
+
     def record(self, parts: dict[str, torch.Tensor]) -> dict:
         record = {key: value.item() for key, value in parts.items()}
         l0, dead, units = [], 0, 0
         for name, (index, weights) in self._codes.items():
             tracker = self.dead_units[name]
-            tracker.update_fired(fired_units(index, weights, tracker.num_units), self.tokens_per_step)
             tokens = index.reshape(-1, index.shape[-1]).shape[0] if index.shape[-1] else index.numel()
             l0.append((weights > 0).sum().item() / max(tokens, 1))
             dead += int(tracker.dead_mask().sum())
             units += tracker.num_units
-        self._codes = {}
         if l0:
             record.update(l0=sum(l0) / len(l0), dead=dead, dead_fraction=dead / units)
         return record
