@@ -50,3 +50,22 @@ def text_data(
         "shuffle_documents": True,
         "seed": seed,
     }
+
+
+def run_variants(tree: dict, source: str) -> tuple[dict[str, dict], float | None]:
+    """Run the recipe `tree`, which has a `variants:` list, as one `expertize upcycle` (all variants trained on one
+    activation stream, one folder each under output_dir); returns ({variant name: metrics}, seconds, or None when
+    every variant was already finished). Finished variants of the same recipe are reused by `upcycle` itself; one
+    of a different recipe is an error there."""
+    from expertize.conversion.publishing.run_folder import METRICS
+    from expertize.conversion.recipe import recipe_from_dict
+    from expertize.conversion.upcycle import upcycle
+
+    recipe = recipe_from_dict(tree, source=source)
+    names = [variant.name for variant in recipe.variants]
+    out = Path(recipe.output_dir)
+    finished = all((out / name / METRICS).exists() for name in names)
+    start = time.perf_counter()
+    upcycle(recipe, progress=False)
+    seconds = None if finished else time.perf_counter() - start
+    return {name: json.loads((out / name / METRICS).read_text(encoding="utf-8")) for name in names}, seconds
