@@ -64,7 +64,9 @@ def _losses(folder: Path) -> list[float]:
 
 
 def test_each_variant_equals_its_recipe_trained_alone(variants_run):
+    """Distillation, then LoRA healing (whose adapters are initialized from the RNG) and evaluation per variant."""
     tmp_path, tree = variants_run
+    tree["heal"] = {"tokens": 16 * 2 * 4, "batch_sequences": 2, "rest": "lora", "warmup_steps": 0}
     out = upcycle(recipe_from_dict(tree), progress=False)
     assert out == tmp_path / "sweep"
     for variant in ("a", "b", "c"):
