@@ -43,7 +43,8 @@ from .surgery.families import decoder_blocks
 from .surgery.splice import load_base_model, splice
 from .training.device import make_accelerator, world_size
 from .training.distill import Trainer
-from .training.engine import rng_state, set_rng_state, train_together
+from .training.engine import rng_state, set_rng_state
+from .training.together import train_together
 from .training.errors import RunInterrupted
 from .training.heal import Healer
 from .training.log import plot_loss_curve

@@ -1,4 +1,4 @@
-"""The one training loop of expertize: distillation (`distill.py`) and healing (`heal.py`) subclass `Engine` and
+"""The one training engine of expertize: distillation (`distill.py`) and healing (`heal.py`) subclass `Engine` and
 supply only their batches, their loss and what they save beyond the weights.
 
 The engine owns AdamW, the learning-rate schedule, gradient clipping, bf16 autocast, the sparse layers'
@@ -7,8 +7,10 @@ The engine owns AdamW, the learning-rate schedule, gradient clipping, bf16 autoc
 progress bar, and the experiment trackers (`tracking.py`, `train.log_with`). One step is
 
     loss = compute_loss(batch) -> backward -> layer.before_optimizer_step() -> clip -> AdamW step -> schedule step
-    -> zero grads -> layer.after_optimizer_step() -> step += 1 -> record / log / checkpoint
+    -> zero grads -> layer.after_optimizer_step() -> track (device-side bookkeeping) -> step += 1
+    -> at log steps only: record (the one host synchronization of a step) / log -> checkpoint when due
 
+The loop over steps is `together.train_together` (one engine, or a recipe's variants on one batch stream).
 A non-finite loss or weight stops the run with `TrainingDiverged` before anything non-finite is logged or saved
 (the last good checkpoint stays); Ctrl-C becomes `RunInterrupted`, after saving the state when it arrived between
 two steps.
@@ -26,7 +28,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import RunFailed
 from .errors import RunInterrupted, TrainingDiverged
 from .log import JsonlLog, truncate_log  # noqa: F401  (truncate_log: re-exported for callers of the old module)
 from .tracking import Tracking, tracking_dir
@@ -258,6 +259,8 @@ class Engine:
 
     def run(self) -> None:
         """Train from the checkpoint (if any) to `total_steps`."""
+        from .together import train_together
+
         train_together([self])
 
     def open(self) -> bool:
@@ -414,98 +417,7 @@ class Engine:
             self.log(message)
 
 
-# -- engines trained together ----------------------------------------------------------------------------------------
-
-
-def train_together(engines: list[Engine]) -> dict[str, TrainingDiverged]:
-    """Train `engines` on one batch stream: the batch of step s (from the first engine's `batches`) goes to every
-    engine whose next step is s, so each engine sees exactly the batches it would see alone. Variants of a recipe
-    (`variants:`) train this way on one activation capture; `Engine.run` is the one-engine case.
-
-    Engines resumed from different steps (a run killed between two engines' checkpoints) are fine: the stream starts
-    at the earliest step and an engine waits until it reaches its own. With several engines each one draws from its
-    own torch RNG (`own_rng`), as it would alone, and one that diverges stops alone: its `TrainingDiverged` is
-    returned by engine name (its last good checkpoint kept) while the others go on. With one engine the error is
-    raised. Ctrl-C saves every engine that is between two steps and raises one `RunInterrupted`.
-    """
-    from tqdm.auto import tqdm
-
-    alone, lead = len(engines) == 1, engines[0]
-    if len({engine.total_steps for engine in engines}) > 1:
-        raise ValueError("engines trained together must have the same total_steps (they share one batch stream)")
-    opened: list[Engine] = []
-    failed: dict[str, TrainingDiverged] = {}
-    local_main = lead.accelerator is None or lead.accelerator.is_local_main_process
-    bar = None
-    try:
-        for engine in engines:
-            with engine.own_rng(not alone):
-                engine.open()
-            opened.append(engine)
-        active = [engine for engine in engines if not engine.done]
-        step = min((engine.step for engine in active), default=lead.total_steps)
-        desc = lead.name if alone else f"{type(lead).name} ({len(engines)} variants)"
-        bar = tqdm(total=lead.total_steps, initial=step, desc=desc, disable=not (lead.progress and local_main))
-        batches = lead.batches(step) if active else iter(())
-        while active:
-            batch = next(batches, None)
-            if batch is None:
-                first = active[0]
-                raise RunFailed(
-                    f"the training data ran out after {step} of {first.total_steps} {first.name} steps; "
-                    f"{first.ran_out_fix}"
-                )
-            records = []
-            for engine in list(active):
-                if engine.step != step:  # resumed further than the stream: waits for its own step
-                    continue
-                try:
-                    with engine.own_rng(not alone):
-                        record = engine.train_step(batch)
-                except TrainingDiverged as diverged:
-                    if alone:
-                        raise
-                    failed[engine.name] = diverged
-                    active.remove(engine)
-                    engine._say(f"{diverged}; the other variants go on")
-                    continue
-                if record is not None:
-                    records.append((engine, record))
-                if engine.done:
-                    active.remove(engine)
-            step += 1
-            bar.update(1)
-            if records:
-                bar.set_postfix(**_postfix(records))
-    except KeyboardInterrupt as interrupt:
-        if isinstance(interrupt, RunInterrupted):
-            raise
-        raise _interrupted_together(opened, alone) from interrupt
-    finally:
-        if bar is not None:
-            bar.close()
-        for engine in opened:
-            engine.close()
-    return failed
-
-
-def _postfix(records: list[tuple[Engine, dict]]) -> dict:
-    if len(records) == 1:
-        engine, record = records[0]
-        return engine.postfix(record)
-    losses = [record["loss"] for _, record in records]
-    return {"loss": f"{min(losses):.4g}..{max(losses):.4g}"}
-
-
-def _interrupted_together(engines: list[Engine], alone: bool) -> RunInterrupted:
-    """Each engine saves its state if it is between two steps (with its own RNG); one message for all."""
-    messages = []
-    for engine in engines:
-        with engine.own_rng(not alone):
-            messages.append(str(engine._interrupted()))
-    if alone:
-        return RunInterrupted(messages[0])
-    return RunInterrupted(f"training of {len(engines)} variants interrupted:\n  " + "\n  ".join(messages))
+# -- RNG state --------------------------------------------------------------------------------------------------------
 
 
 def rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
