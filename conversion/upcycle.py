@@ -36,6 +36,7 @@ from .preflight import RunPlan, plan_variants
 from .publishing.metrics_schema import load_metrics
 from .publishing.model_folder import refresh_model_card
 from .publishing.records import provenance, recipe_summary
+from .publishing.variants_table import VARIANTS_TABLE, write_variants_table
 from .publishing.run_folder import METRICS, PROVENANCE, RESOLVED_RECIPE, RunFolder, RunFolderTaken
 from .recipe import Recipe, recipe_to_dict, variant_recipes
 from .surgery.dense_init import init_moe_from_dense
@@ -64,6 +65,8 @@ def upcycle(recipe: Recipe, *, progress: bool = True, restart: bool = False, log
         runs = pending_variants(recipe, restart=restart, is_main_process=main, say=say)
         if not runs:
             say(f"every variant in {recipe.output_dir} is finished; nothing to train")
+            if main:
+                write_variants_table(recipe.output_dir, [v.name for v in recipe.variants])
             return Path(recipe.output_dir)
     else:
         folder = RunFolder(recipe.output_dir, is_main_process=main)
@@ -90,7 +93,11 @@ def upcycle(recipe: Recipe, *, progress: bool = True, restart: bool = False, log
             f"interrupted outside training; the last checkpoint in {folders[0].checkpoint_dir} is kept. Run the same "
             "command again to resume"
         ) from None
-    return Path(recipe.output_dir) if recipe.variants else folders[0].root
+    if not recipe.variants:
+        return folders[0].root
+    if accelerator.is_main_process:
+        write_variants_table(recipe.output_dir, [v.name for v in recipe.variants])
+    return Path(recipe.output_dir)
 
 
 def pending_variants(
@@ -321,15 +328,12 @@ def activation_batches(
 
 def upcycle_summary(folder: str | Path) -> str:
     """The key results of a finished run folder, a few lines for the end of `expertize upcycle`; for the folder of
-    a recipe's variants, each finished variant's."""
+    a recipe's variants, their table (variants.md)."""
     folder = Path(folder)
-    if (folder / METRICS).is_file() or not folder.is_dir():
-        return "\n".join(f"expertize: {line}" for line in load_metrics(folder).summary_lines())
-    lines = []
-    for variant in sorted(p for p in folder.iterdir() if (p / METRICS).is_file()):
-        lines.append(f"expertize: variant {variant.name} ({variant}):")
-        lines += [f"expertize:   {line}" for line in load_metrics(variant).summary_lines()]
-    return "\n".join(lines)
+    table = folder / VARIANTS_TABLE
+    if not (folder / METRICS).is_file() and table.is_file():
+        return table.read_text(encoding="utf-8").rstrip("\n")
+    return "\n".join(f"expertize: {line}" for line in load_metrics(folder).summary_lines())
 
 
 def _is_main_rank() -> bool:

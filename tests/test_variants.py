@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from expertize.conversion.data.cache import capture_activations
 from expertize.conversion.errors import ExpertizeError, RunFailed
+from expertize.conversion.publishing.card import format_number
 from expertize.conversion.publishing.run_folder import RunFolderTaken
 from expertize.conversion.recipe import RecipeError, load_recipe, recipe_from_dict, recipe_to_dict, variant_recipes
 from expertize.conversion.training.distill import Trainer
@@ -80,8 +81,12 @@ def test_each_variant_equals_its_recipe_trained_alone(variants_run):
         assert _losses(folder) == _losses(solo)
     # Not three copies of one run: the variants differ from each other.
     assert not torch.equal(_weights(out / "a")["model.layers.0.mlp.W_gate"], _weights(out / "b")["model.layers.0.mlp.W_gate"])
-    summary = upcycle_summary(out)
-    assert all(f"variant {name}" in summary for name in "abc")
+    # The comparison table (variants.md, printed by the CLI) reads the folders' metrics.
+    table = (out / "variants.md").read_text()
+    assert upcycle_summary(out) == table.rstrip("\n")
+    for name, kind, k, lr in (("a", "mxd", 4, "0.003"), ("b", "mxd", 2, "0.01"), ("c", "transcoder", 4, "0.003")):
+        delta = json.loads((out / name / "metrics.json").read_text())["ce"]["delta"]
+        assert f"| {name} | {kind} | {k} | 64 | {lr} | " in table and f" | {format_number(delta)} | " in table
 
 
 def test_variant_recipes_merge_the_layer_unless_the_kind_changes(variants_run):
@@ -228,4 +233,4 @@ def test_two_process_data_parallel_variants_on_cpu(variants_run):
     for name in ("b", "c"):
         metrics = json.loads((tmp_path / "sweep" / name / "metrics.json").read_text())
         assert metrics["train"] == {"steps": 8, "tokens": 128 * 8}
-    assert result.stdout.count("expertize: wrote") == 1 and result.stdout.count("variant b") == 1
+    assert result.stdout.count("expertize: wrote") == 1 and result.stdout.count("| b | mxd |") == 1
