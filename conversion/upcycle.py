@@ -31,7 +31,7 @@ from .data.cache import cached_batches, open_matching_cache
 from .data.capture import MlpCapture, excluded_token_ids
 from .data.text import iter_sequences, load_eval_sequences
 from .errors import RunFailed
-from .evaluation.evaluate import evaluate_sparse_layers, spliced_ce
+from .evaluation.evaluate import AblationMemo, evaluate_sparse_layers, spliced_ce
 from .preflight import RunPlan, plan_variants
 from .publishing.metrics_schema import load_metrics
 from .publishing.model_folder import refresh_model_card
@@ -154,12 +154,15 @@ def _run(plans: list[RunPlan], folders: list[RunFolder], accelerator, *, progres
     diverged = distil(plans, base, trained, folders, accelerator, progress=progress, say=say)
     if not accelerator.is_main_process:
         return
+    memo = AblationMemo()  # the variants' ablated eval forwards coincide: computed once
     for plan, run, folder in zip(plans, trained, folders):
-        if folder.root.name in diverged and len(plans) > 1:
+        if folder.root.name in diverged:
             continue
         set_rng_state(run.rng)  # healing draws from this run's RNG, as it would alone (e.g. LoRA's init)
         heal(plan, base, run, folder, accelerator, progress=progress, say=say)
-        publish(plan, base, run, folder, accelerator, progress=progress, say=say)
+        publish(plan, base, run, folder, accelerator, progress=progress, say=say, ablation_memo=memo)
+        # publish saves from the base moved to the CPU in float32; the next variant evaluates on the run's device.
+        base.to(device=accelerator.device, dtype=getattr(torch, plan.recipe.dtype))
     if diverged:
         names = ", ".join(sorted(diverged))
         raise RunFailed(
@@ -262,7 +265,10 @@ def heal(plan: RunPlan, base, trained: Trained, folder: RunFolder, accelerator, 
     trained.heal_summary = healer.summary()
 
 
-def publish(plan: RunPlan, base, trained: Trained, folder: RunFolder, accelerator, *, progress: bool, say: Log) -> None:
+def publish(
+    plan: RunPlan, base, trained: Trained, folder: RunFolder, accelerator, *, progress: bool, say: Log,
+    ablation_memo: AblationMemo | None = None,
+) -> None:
     """Evaluate, save the model and its records into a staging folder, and move it in (metrics.json last)."""
     recipe = plan.recipe
     if trained.eval_sequences is None:
@@ -271,7 +277,7 @@ def publish(plan: RunPlan, base, trained: Trained, folder: RunFolder, accelerato
         metrics = evaluate_sparse_layers(
             base, trained.layers, trained.eval_sequences, recipe.eval, plots_dir=stage.plots_dir,
             mean_outputs=trained.mean_outputs, spliced_model=trained.healed_model, progress=progress,
-            exclude_token_ids=excluded_token_ids(recipe.data, plan.tokenizer),
+            exclude_token_ids=excluded_token_ids(recipe.data, plan.tokenizer), ablation_memo=ablation_memo,
         )
         plot_loss_curve([folder.train_log, folder.heal_log], stage.plots_dir / LOSS_PLOT)
         metrics["train"] = {"steps": trained.steps, "tokens": trained.steps * recipe.train.tokens_per_step}

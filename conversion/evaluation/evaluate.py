@@ -16,6 +16,7 @@ Memory: sequences are processed `cfg.batch_sequences` at a time and only running
 """
 
 import contextlib
+import hashlib
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 
@@ -124,7 +125,7 @@ class _CeSums:
         self.predicted_tokens = 0
 
     def add(self, name: str, logits: torch.Tensor, input_ids: torch.Tensor) -> None:
-        self.sums[name] += float(next_token_ce(logits, input_ids).double().sum())
+        self.sums[name] += _ce_sum(logits, input_ids)
 
     def summary(self) -> dict:
         n = self.predicted_tokens
@@ -140,6 +141,40 @@ class _CeSums:
             "ce_recovered_mean": _ce_recovered(ce["mean_ablation"], ce["spliced"], ce["base"]),
             "predicted_tokens": n,
         }
+
+
+class AblationMemo:
+    """The zero- and mean-ablated CE sums of each eval batch, kept across evaluations that share them.
+
+    The ablated forwards replace the target MLPs by constants, so they depend on the base model, the eval
+    sequences, the layer indices and the mean outputs, not on the sparse layers: the variants of a recipe (one
+    stream, hence one training mean) compute them once instead of once each (two of the four forwards of every eval
+    batch). A different key (another base, sequences, layers or means) starts over, so a stale value is never used.
+    The values are the exact floats `_CeSums.add` would add, in the same order: results are bit-identical.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._sums: dict[tuple, float] = {}
+
+    def value(self, key: tuple, item: tuple, compute) -> float:
+        if key != self._key:
+            self._key, self._sums = key, {}
+        if item not in self._sums:
+            self._sums[item] = compute()
+        return self._sums[item]
+
+
+def _memo_key(model: nn.Module, eval_sequences: torch.Tensor, indices: list[int], means, batch_sequences: int) -> tuple:
+    def digest(t: torch.Tensor) -> str:
+        return hashlib.sha1(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+    mean_digests = None if means is None else tuple(digest(means[i].float()) for i in indices)
+    return (id(model), digest(eval_sequences), tuple(indices), mean_digests, batch_sequences)
+
+
+def _ce_sum(logits: torch.Tensor, input_ids: torch.Tensor) -> float:
+    return float(next_token_ce(logits, input_ids).double().sum())
 
 
 class _Positions:
@@ -209,8 +244,11 @@ def evaluate_sparse_layers(
     spliced_model: nn.Module | None = None,
     progress: bool = True,
     exclude_token_ids: Collection[int] = (),
+    ablation_memo: AblationMemo | None = None,
 ) -> dict:
     """Reconstruction, CE and generation faithfulness of `layers` spliced into the base causal LM `model`.
+
+    ablation_memo: shared by evaluations whose ablated forwards coincide (a recipe's variants): see AblationMemo.
 
     exclude_token_ids: positions holding one of these tokens (`data.capture.excluded_token_ids`: the special tokens)
     are left out of the reconstruction metrics (NMSE, FVU, MSE, L0, dead units, firing histogram); CE, KL and the
@@ -249,14 +287,26 @@ def evaluate_sparse_layers(
         ce = _CeSums()
         positions = _Positions(exclude_token_ids)
         means = None if mean_outputs is None else {i: _ConstantMlp(mean_outputs[i].detach()) for i in indices}
-        for input_ids in _batches(model, eval_sequences, cfg.batch_sequences, progress, "eval"):
-            _reconstruction_and_ce(model, input_ids, spliced, zeros, means, stats, firing, ce, spliced_model,
-                                   positions)
+        memo = ablation_memo or AblationMemo()
+        key = _memo_key(model, eval_sequences, indices, mean_outputs, cfg.batch_sequences)
+
+        def ablated(item: tuple, mlps: Mapping[int, nn.Module], input_ids: torch.Tensor) -> float:
+            def compute() -> float:
+                with replaced_mlps(model, mlps):
+                    return _ce_sum(_logits(model, input_ids), input_ids)
+
+            return memo.value(key, item, compute)
+
+        for b, input_ids in enumerate(_batches(model, eval_sequences, cfg.batch_sequences, progress, "eval")):
+            _reconstruction_and_ce(model, input_ids, spliced, stats, firing, ce, spliced_model, positions)
+            ce.sums["zero_ablation"] += ablated(("zero", b), zeros, input_ids)
+            if means is not None:
+                ce.sums["mean_ablation"] += ablated(("mean", b), means, input_ids)
         if means is None:  # mean ablation needs the mean over all eval tokens first: a second pass
             means = {i: _ConstantMlp(positions.mean_output(i, stats[i]).float()) for i in indices}
-            for input_ids in _batches(model, eval_sequences, cfg.batch_sequences, progress, "eval (mean ablation)"):
-                with replaced_mlps(model, means):
-                    ce.add("mean_ablation", _logits(model, input_ids), input_ids)
+            batches = _batches(model, eval_sequences, cfg.batch_sequences, progress, "eval (mean ablation)")
+            for b, input_ids in enumerate(batches):
+                ce.sums["mean_ablation"] += ablated(("eval mean", b), means, input_ids)
         generation = _generation_faithfulness(model, spliced, eval_sequences, cfg, progress, spliced_model)
 
     eval_tokens = eval_sequences.numel()
@@ -322,15 +372,14 @@ def _reconstruction_and_ce(
     model: nn.Module,
     input_ids: torch.Tensor,
     spliced: Mapping[int, _CastToLayer],
-    zeros: Mapping[int, nn.Module],
-    means: Mapping[int, nn.Module] | None,
     stats: Mapping[int, ReconstructionStats],
     firing: Mapping[int, _UnitFiring],
     ce: _CeSums,
     spliced_model: nn.Module | None = None,
     positions: "_Positions | None" = None,
 ) -> None:
-    """One batch: one base forward gives the MLP (x, y) pairs and the base logits; then spliced and ablated runs."""
+    """One batch: one base forward gives the MLP (x, y) pairs and the base logits; then the spliced run (the ablated
+    runs are the caller's)."""
     positions = positions or _Positions(())
     capture = MlpCapture(model, list(spliced), stop_early=False)
     captured = capture(input_ids)  # {layer: (x, y)}, each (B*L, d)
@@ -353,11 +402,6 @@ def _reconstruction_and_ce(
     ce.add("spliced", spliced_logits, input_ids)
     ce.kl_base_spliced += float(kl_base_to_other(base_logits, spliced_logits).double().sum())
     del base_logits, spliced_logits
-    with replaced_mlps(model, zeros):
-        ce.add("zero_ablation", _logits(model, input_ids), input_ids)
-    if means is not None:
-        with replaced_mlps(model, means):
-            ce.add("mean_ablation", _logits(model, input_ids), input_ids)
 
 
 # ----------------------------------------------------------------------------------------------------------------
