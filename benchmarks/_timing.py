@@ -2,6 +2,7 @@
 
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -47,3 +48,33 @@ def saved_megabytes(
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn(x)
     return sum(saved.values()) / 2**20, out.detach()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA kernels run asynchronously), so that a host clock times it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Seconds(NamedTuple):
+    """Wall-clock seconds, and the CPU seconds of this process (all its threads) over the same span: on a machine
+    shared with other jobs the CPU time is the steadier of the two (it does not count time spent waiting for a core),
+    though it counts multi-threaded arithmetic once per thread."""
+
+    wall: float
+    cpu: float
+
+    def __add__(self, other: "Seconds") -> "Seconds":  # type: ignore[override]
+        return Seconds(self.wall + other.wall, self.cpu + other.cpu)
+
+    def __mul__(self, factor: float) -> "Seconds":  # type: ignore[override]
+        return Seconds(self.wall * factor, self.cpu * factor)
+
+
+def timed(device: torch.device, run: Callable[[], object]) -> tuple[Seconds, object]:
+    """(seconds, result) of `run()`, the device synchronized before and after."""
+    synchronize(device)
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = run()
+    synchronize(device)
+    return Seconds(time.perf_counter() - wall, time.process_time() - cpu), result

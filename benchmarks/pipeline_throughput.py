@@ -1,110 +1,282 @@
-"""Training throughput of the distillation pipeline next to the same steps done bare.
+"""Training throughput of the distillation pipeline next to its arithmetic, measured side by side in one run.
 
-    pipeline : `Trainer.fit` as `expertize upcycle` runs it — data stream, capture hooks, chunked shuffle buffer,
-               loss, AdamW, schedule, L0 / dead-unit tracking, progress bar, JSONL log, checkpoints.
-    bare     : for the same number of steps and the same batch size, a base forward that stops after the last target
-               layer (same hooks, batches pre-tokenized in memory), the sparse layers' forward/backward on the captured
-               tokens and an AdamW step — nothing else.
+    (a) pipeline    `expertize upcycle`'s distillation stage itself: the calls of conversion/upcycle.py `_run` up to
+                    and including `distil` (run folder claimed, base model loaded, layers built, one `Trainer` per
+                    variant fed by `train_together` from one activation stream). Timed around `distil`: reading and
+                    tokenizing the text, capture hooks, the chunked shuffle buffer, loss (+ AuxK), AdamW, schedule,
+                    dead-unit tracking, progress bar, JSONL log and checkpoints (the recipe's cadence).
+    (b) layer math  the sparse layers' forward, loss (+ routed aux and AuxK from the step the pipeline turns it on),
+                    backward and optimizer step (`Trainer.compute_loss`, backward, `_optimizer_step`: the very code
+                    of a pipeline step, minus tracking, logging and data) on captured batches already in memory.
+    (c) capture     the base model's forward up to the last target layer (`MlpCapture`) on token ids already packed
+                    in memory, `train.capture_batch_sequences` sequences per forward, in the recipe's dtype.
+    (t) tokenize    for the diagnosis only: reading, splitting, shuffling, tokenizing and packing the train split
+                    (`iter_sequences`), which (a) pays and (b), (c) do not.
 
-Both run in one process, side by side, on the real checkpoint; the ratio is the pipeline's overhead. Target: ≤ 1.20.
+Every stage covers the same steps x train.tokens_per_step tokens (the run's budget is set to exactly that). (b)
+and (c) run before and after (a) and the faster pass is kept: the conservative reference on a shared machine (the
+first pass also absorbs the process's warm-up). Each row gives wall seconds and tokens/s, and the process's CPU
+seconds (all threads): on a machine shared with other jobs the CPU column is the steadier one, the wall column the
+one the targets are judged on.
 
-    EXPERTIZE_DATA=/path/to/shared/data python benchmarks/pipeline_throughput.py [--steps 60] [--kind mxd]
+Targets (issue 14):
+  * CPU: (a) <= 1.15 x ((b) + (c)).
+  * CPU, `--variants 8`: 8 variants of the layer (one lr each, the recipe's lr times 2^(i/3) alternately up and
+    down) trained together on one stream in one `distil` take <= 1.3 x ((a) + 7 x (b)), i.e. the time of one
+    variant plus 7 more layer maths.
+  * H100: the paper recipe at >= 700k tokens/s for (a).
+
+Run (CPU, the quickstart: tiny-gpt2-shakespeare, shipped assets; on 2 cores ~4 min at the default 64 steps, ~10 min
+with --variants 8, two to three times that when other jobs share the cores):
+
+    python benchmarks/pipeline_throughput.py [--steps 64] [--variants 8]
+        [--set layer.kind=transcoder] [--profile 25]
+
+GPU (an H100; needs the gpt2 weights and the OpenWebText stream from the Hub, or any local text through
+`--set data.source=text --set data.paths=[...]`): the paper recipe, fp32 as published and then bf16 with 4x larger
+steps; `--device cuda` sets train.device (the base model runs in the recipe's `dtype`, the layers under bf16
+autocast when train.precision is bf16; the clock synchronizes the GPU around every stage):
+
+    python benchmarks/pipeline_throughput.py --recipe recipes/paper/mxd-gpt2-l8-mxd.yaml --device cuda \\
+        --steps 512 --set train.warmup_steps=50
+    python benchmarks/pipeline_throughput.py --recipe recipes/paper/mxd-gpt2-l8-mxd.yaml --device cuda \\
+        --steps 256 --set train.warmup_steps=50 --set train.precision=bf16 --set train.tokens_per_step=16384 \\
+        --variants 4
+
+`--profile N` prints the N entries of a cProfile of (a) with the most own time (its numbers then include the
+profiler's overhead; profile in a separate run from the timing). Token ids are moved to the device as the pipeline
+moves them (plain copies: a (32, 128) int64 batch is 32 KB, too small for pinned memory to matter).
 """
 
 import argparse
+import cProfile
+import io
 import json
-import os
+import math
+import pstats
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
 
-from expertize.conversion.data.capture import MlpCapture
+from _timing import Seconds, synchronize, timed
+from expertize.conversion import upcycle as up
+from expertize.conversion.data.capture import MlpCapture, excluded_token_ids, kept_positions
 from expertize.conversion.data.text import iter_sequences
-from expertize.conversion.evaluation.metrics import LOSSES
+from expertize.conversion.preflight import plan_run, plan_variants
 from expertize.conversion.publishing.run_folder import RunFolder
-from expertize.conversion.recipe import load_recipe, resolve_layer_spec
-from expertize.conversion.surgery.splice import base_family, load_base_model
-from expertize.conversion.training.distill import SparseStack, Trainer
-from expertize.conversion.upcycle import activation_batches
-from expertize.modeling import FAMILIES, build_sparse_layer
-from transformers import AutoTokenizer
+from expertize.conversion.recipe import load_recipe, recipe_from_dict, recipe_to_dict
+from expertize.conversion.training.device import make_accelerator
+from expertize.conversion.training.distill import Trainer
+from expertize.conversion.training.engine import rng_state
+from expertize.modeling import build_sparse_layer
+
+POOL_STEPS = 64
+"""At most this many distinct step batches are kept in memory for (b); longer runs cycle over them."""
+
+
+def say(message: str) -> None:
+    print(f"  [upcycle] {message}", file=sys.stderr)
+
+
+def pipeline(recipe, *, progress: bool, profile: int = 0) -> dict:
+    """Run upcycle's stages up to the distillation for `recipe` (with or without variants) and time `distil`:
+    {"seconds": whole distil call, "loop": the first variant's train_log seconds (its training loop), "diverged":
+    [names], "profile": text}."""
+    if recipe.variants:
+        runs = up.pending_variants(recipe, restart=False)
+    else:
+        runs = [(recipe, RunFolder(recipe.output_dir))]
+    plans = plan_variants([r for r, _ in runs])
+    accelerator = make_accelerator(plans[0].device)
+    folders = [folder for _, folder in runs]
+    for run_recipe, folder in runs:
+        folder.claim(recipe_to_dict(run_recipe))
+    base = up.load_base(plans[0], accelerator.device)
+    trained = []
+    for plan in plans:
+        torch.manual_seed(plan.recipe.train.seed)
+        trained.append(up.build_layers(plan, base, accelerator))
+        trained[-1].rng = rng_state()
+    profiler = cProfile.Profile() if profile else None
+
+    def distil():
+        if profiler is not None:
+            profiler.enable()
+        try:
+            return up.distil(plans, base, trained, folders, accelerator, progress=progress, say=say)
+        finally:
+            if profiler is not None:
+                profiler.disable()
+
+    seconds, diverged = timed(accelerator.device, distil)
+    log = [json.loads(line) for line in folders[0].train_log.read_text().splitlines()]
+    text = ""
+    if profiler is not None:
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(profile)
+        text = out.getvalue()
+    return {"seconds": seconds, "loop": log[-1]["seconds"] if log else float("nan"), "diverged": sorted(diverged),
+            "profile": text}
+
+
+def capture(base, plan, sequences: list[torch.Tensor], device: torch.device) -> tuple[Seconds, list[dict]]:
+    """(c): seconds of the base forwards over `sequences`; and up to POOL_STEPS step batches of the captured
+    pairs ({layer: (x, y)}, the excluded special positions left out as in the pipeline) for (b)."""
+    recipe = plan.recipe
+    mlp_capture = MlpCapture(base, plan.layer_ids)
+    per_forward, tokens_per_step = recipe.train.capture_batch_sequences, recipe.train.tokens_per_step
+    excluded = excluded_token_ids(recipe.data, plan.tokenizer)
+    keep_sequences = math.ceil(min(len(sequences), POOL_STEPS * tokens_per_step / recipe.data.context_length))
+    kept: list[tuple[dict, torch.Tensor]] = []
+
+    def run():
+        for start in range(0, len(sequences), per_forward):
+            input_ids = torch.stack(sequences[start : start + per_forward]).to(device)  # (B, T)
+            pairs = mlp_capture(input_ids)  # layer -> (x, y), each (B*T, d)
+            if start < keep_sequences:
+                kept.append((pairs, kept_positions(input_ids, excluded)))
+
+    seconds, _ = timed(device, run)
+    rows = {i: (torch.cat([p[i][0] for p, _ in kept]), torch.cat([p[i][1] for p, _ in kept])) for i in plan.layer_ids}
+    keep = None if kept[0][1] is None else torch.cat([k for _, k in kept])  # (rows,) bool
+    pool = []
+    for s in range(min(POOL_STEPS, len(keep if keep is not None else rows[plan.layer_ids[0]][0]) // tokens_per_step)):
+        window = slice(s * tokens_per_step, (s + 1) * tokens_per_step)
+        take = (lambda t: t[window]) if keep is None else (lambda t, w=keep[window]: t[window][w])
+        pool.append({i: (take(x), take(y)) for i, (x, y) in rows.items()})
+    return seconds, pool
+
+
+def layer_math(plan, pool: list[dict], steps: int, accelerator, folder: Path) -> Seconds:
+    """(b): seconds of `steps` training steps of the plan's sparse layers on the batches of `pool` (cycled), through
+    the pipeline's own step code (the Trainer's loss, backward and optimizer step) without its data, tracking,
+    logging or checkpoints."""
+    recipe = plan.recipe
+    torch.manual_seed(recipe.train.seed)
+    layers = {i: build_sparse_layer(plan.spec) for i in plan.layer_ids}
+    trainer = Trainer(
+        layers, None, recipe.train, total_steps=steps, accelerator=accelerator, checkpoint_path=folder / "state.pt",
+        log_path=folder / "log.jsonl", progress=False,
+    )
+    trainer.model.train()
+
+    def run():
+        for step in range(steps):
+            loss, _ = trainer.compute_loss(pool[step % len(pool)])
+            trainer._backward(loss)
+            trainer._optimizer_step()
+            # AuxK from the step the pipeline turns it on (after one dead window); with no firing recorded every
+            # unit counts as dead, which costs the same as any dead set (a dense score matmul + top-k_aux).
+            for tracker in trainer.dead_units.values():
+                tracker.tokens_seen += recipe.train.tokens_per_step
+
+    try:
+        seconds, _ = timed(accelerator.device, run)
+    finally:
+        trainer.release()
+    return seconds
+
+
+def variants_recipe(recipe, n: int, output_dir: str):
+    """`recipe` with `n` variants of its layer, one learning rate each (the recipe's, then x 2^(1/3), x 2^(-1/3),
+    x 2^(2/3), ...), under `output_dir`."""
+    tree = recipe_to_dict(recipe)
+    lr = recipe.train.lr
+    factors = [1.0] + [2 ** (math.ceil(i / 2) / 3 * (1 if i % 2 else -1)) for i in range(1, n)]
+    tree["variants"] = [{"name": f"v{i}-lr{lr * f:.3g}", "train": {"lr": lr * f}} for i, f in enumerate(factors)]
+    tree["output_dir"] = output_dir
+    return recipe_from_dict(tree, source="variants")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default=str(Path(__file__).parent.parent / "recipes" / "quickstart.yaml"))
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--kind", default="mxd", choices=["mxd", "transcoder", "skip_transcoder"])
+    parser.add_argument("--steps", type=int, default=64, help="training steps of every stage (sets data.train_tokens)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"], help="train.device of the run")
+    parser.add_argument("--variants", type=int, default=1, help="also train N variants together (N > 1)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="recipe override, as `expertize upcycle --set` (repeatable)")
+    parser.add_argument("--kind", help="shortcut for --set layer.kind=KIND")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the top N cProfile entries of (a)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch CPU threads (default: torch's; 1 is steadier on a machine shared with other jobs)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar in (a) (upcycle shows one)")
     args = parser.parse_args()
-    if "EXPERTIZE_DATA" not in os.environ:
-        parser.error("set EXPERTIZE_DATA to the shared data folder (models/, corpora/)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    overrides = list(args.overrides) + ([f"layer.kind={args.kind}"] if args.kind else [])
 
     with tempfile.TemporaryDirectory() as tmp:
-        recipe = load_recipe(args.recipe, [f"layer.kind={args.kind}", f"output_dir={tmp}/run", "train.device=cpu",
-                                           "train.log_every=5", "train.checkpoint_every=1000000"])
-        train, data = recipe.train, recipe.data
-        base = load_base_model(recipe.base_model).eval().requires_grad_(False)
-        tokenizer = AutoTokenizer.from_pretrained(recipe.base_model)
-        shape = FAMILIES[base_family(base.config.model_type)][0].mlp_shape(base.config)
-        spec = resolve_layer_spec(recipe.layer, shape)
-        layers_idx = sorted(recipe.layers)
+        tmp = Path(tmp)
+        probe = load_recipe(args.recipe, overrides)
+        tokens = args.steps * probe.train.tokens_per_step
+        recipe = load_recipe(args.recipe, overrides + [
+            f"output_dir={tmp}/one", f"train.device={args.device}", f"data.train_tokens={tokens}",
+        ])
+        plan = plan_run(recipe)
+        device = plan.device
+        accelerator = make_accelerator(device)
+        base = up.load_base(plan, device)
+        data, train = recipe.data, recipe.train
 
-        def fresh_layers():
-            torch.manual_seed(0)
-            return {i: build_sparse_layer(spec) for i in layers_idx}
+        t_tokenize, sequences = timed(device, lambda: list(iter_sequences(data, plan.tokenizer, split="train")))
+        captures, maths = [], []
 
-        # Bare: batches tokenized up front (not timed), then capture + train step only.
-        seq_per_step = train.tokens_per_step // data.context_length
-        sequences = list(iter_sequences(data, tokenizer, split="train"))[: args.steps * seq_per_step]
-        steps = len(sequences) // seq_per_step
-        capture = MlpCapture(base, layers_idx)
-        loss_fn = LOSSES[train.loss]
+        def references(label: str) -> None:
+            seconds, pool = capture(base, plan, sequences, device)
+            captures.append(seconds)
+            maths.append(layer_math(plan, pool, args.steps, accelerator, tmp / f"math-{label}"))
 
-        def run_bare(n_steps: int) -> float:
-            stack = SparseStack(fresh_layers())
-            optimizer = torch.optim.AdamW(stack.parameters(), lr=train.lr)
-            start = time.perf_counter()
-            for step in range(n_steps):
-                ids = torch.stack(sequences[step * seq_per_step : (step + 1) * seq_per_step])  # (B, T)
-                pairs = capture(ids)
-                out = stack({str(i): x for i, (x, _) in pairs.items()})
-                sum(loss_fn(out[str(i)], y) for i, (_, y) in pairs.items()).backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            return time.perf_counter() - start
+        references("before")
+        one = pipeline(recipe, progress=not args.no_progress, profile=args.profile)
+        many = None
+        if args.variants > 1:
+            many = pipeline(variants_recipe(recipe, args.variants, f"{tmp}/many"), progress=not args.no_progress)
+        references("after")
+        synchronize(device)
 
-        run_bare(5)  # warm-up (allocator, lazy init), not timed
-        bare_first = run_bare(steps)
+    # Per measure, the faster of the two passes of (b) and (c) (the conservative reference).
+    t_capture = Seconds(min(c.wall for c in captures), min(c.cpu for c in captures))
+    t_math = Seconds(min(m.wall for m in maths), min(m.cpu for m in maths))
+    reference = t_capture + t_math
+    name = recipe.base_model.rstrip("/").split("/")[-1]
+    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    print(f"\n{name} layers {plan.layer_ids}, {recipe.layer.kind} {plan.spec.num_parameters():,} params, "
+          f"{args.steps} steps x {train.tokens_per_step} tokens ({tokens:,}), dtype {recipe.dtype}, "
+          f"precision {train.precision}, {device}{threads}")
+    print(f"{'stage':<36}{'seconds':>9}{'tokens/s':>11}{'x (b+c)':>9}{'CPU s':>9}{'x (b+c)':>9}")
 
-        # Pipeline: the real trainer, data streamed and shuffled as in `expertize upcycle`.
-        run_dir = Path(tmp) / "run"
-        run_dir.mkdir()
-        batches = activation_batches(recipe, base, tokenizer, layers_idx, steps, torch.device("cpu"))
-        trainer = Trainer(fresh_layers(), batches, train, total_steps=steps, run_dir=run_dir,
-                          accelerator=Accelerator(cpu=True), progress=True)
-        start = time.perf_counter()
-        trainer.fit()
-        pipeline = time.perf_counter() - start
-        log = [json.loads(line) for line in RunFolder(run_dir).train_log.read_text().splitlines()]
-        # Steady state: from the first log record on (the stream's start-up, tokenizing the document shuffle buffer
-        # and the first chunk, is excluded; it is paid once per run).
-        steady_steps = log[-1]["step"] - log[0]["step"]
-        steady = (log[-1]["seconds"] - log[0]["seconds"]) / steady_steps * steps
-        # Bare again after the pipeline; the faster bare run is the reference (the conservative choice).
-        bare = min(bare_first, run_bare(steps))
+    def row(label: str, t: Seconds, n_tokens: int = tokens, ref: Seconds = reference) -> None:
+        print(f"{label:<36}{t.wall:>9.2f}{n_tokens / t.wall:>11,.0f}{t.wall / ref.wall:>9.2f}{t.cpu:>9.2f}"
+              f"{t.cpu / ref.cpu:>9.2f}")
 
-    tokens = steps * train.tokens_per_step
-    print(f"\n{recipe.base_model.split('/')[-1]} layers {layers_idx}, {args.kind} {spec.num_parameters():,} params, "
-          f"{steps} steps x {train.tokens_per_step} tokens, CPU {torch.get_num_threads()} threads")
-    print(f"{'run':<10}{'seconds':>10}{'tokens/s':>12}{'ratio':>8}")
-    print(f"{'bare':<10}{bare:>10.2f}{tokens / bare:>12,.0f}{1.0:>8.2f}")
-    print(f"{'pipeline':<10}{pipeline:>10.2f}{tokens / pipeline:>12,.0f}{pipeline / bare:>8.2f}   (whole fit, start-up included)")
-    print(f"{'steady':<10}{steady:>10.2f}{tokens / steady:>12,.0f}{steady / bare:>8.2f}   (pipeline per-step rate x {steps})")
-    print(f"target  steady-state pipeline overhead <= 20%: {'PASS' if steady / bare <= 1.2 else 'FAIL'} "
-          f"({(steady / bare - 1) * 100:+.1f}%)")
+    row("(t) tokenize + pack (diagnosis)", t_tokenize)
+    row("(c) capture forward", t_capture)
+    row("(b) layer math", t_math)
+    row("(b+c)", reference)
+    row("(a) pipeline: distil", one["seconds"])
+    print(f"{'    of which the training loop':<36}{one['loop']:>9.2f}{tokens / one['loop']:>11,.0f}"
+          f"{one['loop'] / reference.wall:>9.2f}")
+    ratio = one["seconds"].wall / reference.wall
+    print(f"target (a) <= 1.15 x (b+c): {'PASS' if ratio <= 1.15 else 'FAIL'} ({ratio:.2f}x wall, "
+          f"{one['seconds'].cpu / reference.cpu:.2f}x CPU; passes of (c) "
+          f"{', '.join(f'{c.wall:.2f}' for c in captures)} s, of (b) {', '.join(f'{m.wall:.2f}' for m in maths)} s)")
+    if many is not None:
+        n = args.variants
+        expected = one["seconds"] + t_math * (n - 1)
+        print(f"{f'(a) 1 variant + {n - 1} x (b)':<36}{expected.wall:>9.2f}{n * tokens / expected.wall:>11,.0f}"
+              f"{'':>9}{expected.cpu:>9.2f}   (variant-tokens/s)")
+        print(f"{f'(a) {n} variants on one stream':<36}{many['seconds'].wall:>9.2f}"
+              f"{n * tokens / many['seconds'].wall:>11,.0f}{'':>9}{many['seconds'].cpu:>9.2f}")
+        v_ratio = many["seconds"].wall / expected.wall
+        print(f"target {n} variants <= 1.3 x (1 variant + {n - 1} x (b)): {'PASS' if v_ratio <= 1.3 else 'FAIL'} "
+              f"({v_ratio:.2f}x wall, {many['seconds'].cpu / expected.cpu:.2f}x CPU)"
+              + (f"; diverged: {', '.join(many['diverged'])}" if many["diverged"] else ""))
+    if one["profile"]:
+        print(f"\ncProfile of (a), top {args.profile} by own time (includes the profiler's overhead):")
+        print(one["profile"])
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from ..errors import ExpertizeError
-from .activations import ActivationBatches, Batch
+from .activations import ActivationBatches, Batch, to_device
 from .capture import kept_positions
 from .text import resolve_paths, token_budget_to_sequences
 
@@ -325,7 +325,7 @@ class ActivationCache:
         self, sequences: list[int], layers: list[int], device: torch.device, dtype: torch.dtype
     ) -> tuple[Batch, torch.Tensor]:
         """The rows of `sequences` (ascending indices) at `layers`, in that order: (layer -> (x, y), each
-        (len * T, d), on `device` in `dtype`; input_ids (len, T) long)."""
+        (len * T, d), on `device` in `dtype`; input_ids (len, T) long, on the host)."""
         t = self.context_length
         parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in layers}
         ids = []
@@ -346,10 +346,11 @@ class ActivationCache:
             for i in layers:
                 parts[i].append((rows(f"layer.{i}.x"), rows(f"layer.{i}.y")))
         data = {
-            i: (torch.cat([x for x, _ in ps]).to(device, dtype), torch.cat([y for _, y in ps]).to(device, dtype))
+            i: (to_device(torch.cat([x for x, _ in ps]), device).to(dtype),
+                to_device(torch.cat([y for _, y in ps]), device).to(dtype))
             for i, ps in parts.items()
         }
-        return data, torch.cat(ids).long().to(device)
+        return data, torch.cat(ids).long()
 
 
 class CachedActivationBatches(ActivationBatches):
@@ -363,6 +364,8 @@ class CachedActivationBatches(ActivationBatches):
         total = min(num_sequences, cache.sequences)
         super().__init__(None, lambda start: iter(range(start, total)), capture_batch_sequences=1, **settings)
         self.cache, self.layers, self.dtype = cache, sorted(layers), dtype
+
+    prefetch_sequences = False  # the stream is sequence indices; the rows are read by `_rows`
 
     def _rows(self, mine: list[int]) -> tuple[Batch, torch.Tensor | None]:
         data, input_ids = self.cache.read(mine, self.layers, self.device, self.dtype)
