@@ -16,6 +16,7 @@ variant folder is skipped on a rerun; a variant that diverges stops alone, the o
 then fails naming it.
 """
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -29,7 +30,7 @@ from expertize.modeling import SparseLayer, build_sparse_layer
 from .data.activations import ActivationBatches
 from .data.cache import cached_batches, open_matching_cache
 from .data.capture import MlpCapture, excluded_token_ids
-from .data.text import iter_sequences, load_eval_sequences
+from .data.text import iter_sequences, load_eval_sequences, stream_sequences
 from .errors import RunFailed
 from .evaluation.evaluate import AblationMemo, evaluate_sparse_layers, spliced_ce
 from .preflight import RunPlan, plan_variants
@@ -73,7 +74,8 @@ def upcycle(recipe: Recipe, *, progress: bool = True, restart: bool = False, log
         folder.check_claimable(recipe_to_dict(recipe), restart=restart)  # output_dir problems first: the cheapest
         runs = [(recipe, folder)]
     plans = plan_variants([r for r, _ in runs], world_size=world_size())
-    open_matching_cache(plans[0].recipe, plans[0].layer_ids)  # data.activation_cache: a mismatch is refused now
+    # data.activation_cache: a mismatch is refused now
+    open_matching_cache(plans[0].recipe, plans[0].layer_ids, world_size=world_size())
     accelerator = make_accelerator(plans[0].device)
     folders = [folder for _, folder in runs]
     for (run_recipe, folder) in runs:
@@ -216,7 +218,8 @@ def distil(
     recipe = plans[0].recipe
     if not recipe.train.distill:
         return {}
-    cache = open_matching_cache(recipe, plans[0].layer_ids)  # None: capture live; else read the pairs from disk
+    # None: capture live; else read the pairs from disk
+    cache = open_matching_cache(recipe, plans[0].layer_ids, world_size=accelerator.num_processes)
     stream = activation_batches if cache is None else partial(cached_batches, cache)
     batches = stream(
         recipe, base, plans[0].tokenizer, plans[0].layer_ids, plans[0].distill_steps, accelerator.device,
@@ -316,6 +319,10 @@ def activation_batches(
 ) -> ActivationBatches:
     """The recipe's training stream: packed train split -> captured (x, y) at `layer_ids` -> shuffled step batches."""
     train, data = recipe.train, recipe.data
+    if world_size > 1:  # every rank needs as many sequences (text.stream_sequences)
+        data = dataclasses.replace(
+            data, train_tokens=stream_sequences(data.train_tokens, data.context_length, world_size) * data.context_length
+        )
     return ActivationBatches(
         MlpCapture(base, layer_ids),
         lambda start: iter_sequences(data, tokenizer, split="train", start_sequence=start),

@@ -123,3 +123,21 @@ def test_a_stream_that_ends_on_a_chunk_boundary_or_inside_one_ends_the_lists():
             assert [prefetch.next() for _ in lists] == lists
         finally:
             prefetch.close()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_gets_the_last_step_when_the_sequences_do_not_divide(world):
+    """A budget of 63 sequences (504 tokens, 7 steps of 72) on 2 or 4 processes: the stream reads `stream_sequences`
+    (rounded up to a multiple of the process count), so each rank has its share of every step; reading only
+    ceil(train_tokens / T) left the ranks one step short, a RunFailed after the whole training."""
+    from expertize.conversion.data.text import stream_sequences
+
+    train_tokens, tokens_per_step = 63 * T, 72
+    steps = train_tokens // tokens_per_step
+    n = stream_sequences(train_tokens, T, world)
+    assert n % world == 0 and 63 < n < 63 + world
+    for rank in range(world):
+        settings = dict(tokens_per_step=tokens_per_step, shuffle_buffer_tokens=tokens_per_step, rank=rank,
+                        world_size=world)
+        assert len(list(_stream(n, False, **settings).batches())) >= steps
+        assert len(list(_stream(63, False, **settings).batches())) < steps  # the failure the rounding removes

@@ -43,7 +43,7 @@ import torch
 from ..errors import ExpertizeError
 from .activations import ActivationBatches, Batch, to_device
 from .capture import kept_positions
-from .text import resolve_paths, token_budget_to_sequences
+from .text import resolve_paths, stream_sequences, token_budget_to_sequences
 
 __all__ = [
     "CACHE_MANIFEST", "STORAGE_DTYPES", "ActivationCache", "CacheError", "CacheMismatch", "CachedActivationBatches",
@@ -283,8 +283,9 @@ class ActivationCache:
         self._starts = [sum(counts[:i]) for i in range(len(counts))]  # first sequence of each shard
         self._open: dict[int, Any] = {}
 
-    def mismatches(self, recipe, layer_ids: Collection[int]) -> list[str]:
-        """What differs between the cache and the recipe, one line each (empty: the cache serves this recipe)."""
+    def mismatches(self, recipe, layer_ids: Collection[int], world_size: int = 1) -> list[str]:
+        """What differs between the cache and the recipe, one line each (empty: the cache serves this recipe, on
+        `world_size` processes)."""
         m, out = self.manifest, []
         for key, want in _base_identity(recipe).items():
             if m["base"].get(key) != want:
@@ -297,14 +298,16 @@ class ActivationCache:
             if m["stream"].get(key) != want.get(key):
                 name = "data.paths (the corpus files or their sizes)" if key == "corpus" else f"data.{key}"
                 out.append(f"{name} (cache: {m['stream'].get(key)!r}, recipe: {want.get(key)!r})")
-        needed = token_budget_to_sequences(recipe.data.train_tokens, recipe.data.context_length)
+        t = recipe.data.context_length
+        needed = stream_sequences(recipe.data.train_tokens, t, world_size)
         if self.sequences < needed and not m["exhausted"]:
+            processes = f" on {world_size} processes" if needed > token_budget_to_sequences(recipe.data.train_tokens, t) else ""
             out.append(f"data.train_tokens (the cache holds {m['tokens']:,} tokens, the recipe needs "
-                       f"{recipe.data.train_tokens:,})")
+                       f"{needed * t:,}{processes})")
         return out
 
-    def check_matches(self, recipe, layer_ids: Collection[int]) -> None:
-        differs = self.mismatches(recipe, layer_ids)
+    def check_matches(self, recipe, layer_ids: Collection[int], world_size: int = 1) -> None:
+        differs = self.mismatches(recipe, layer_ids, world_size)
         if differs:
             raise CacheMismatch(
                 f"the activation cache {self.folder} was not captured for this recipe; it differs in: "
@@ -372,13 +375,13 @@ class CachedActivationBatches(ActivationBatches):
         return data, kept_positions(input_ids, self.exclude_token_ids)
 
 
-def open_matching_cache(recipe, layer_ids: Collection[int]) -> ActivationCache | None:
-    """The cache named by data.activation_cache, checked against the recipe (CacheError / CacheMismatch); None when
-    the recipe captures while training."""
+def open_matching_cache(recipe, layer_ids: Collection[int], world_size: int = 1) -> ActivationCache | None:
+    """The cache named by data.activation_cache, checked against the recipe run on `world_size` processes
+    (CacheError / CacheMismatch); None when the recipe captures while training."""
     if recipe.data.activation_cache is None or not recipe.train.distill:
         return None
     cache = ActivationCache(recipe.data.activation_cache)
-    cache.check_matches(recipe, layer_ids)
+    cache.check_matches(recipe, layer_ids, world_size)
     return cache
 
 
@@ -392,7 +395,7 @@ def cached_batches(
     train, data = recipe.train, recipe.data
     return CachedActivationBatches(
         cache, layer_ids,
-        num_sequences=token_budget_to_sequences(data.train_tokens, data.context_length),
+        num_sequences=stream_sequences(data.train_tokens, data.context_length, world_size),
         dtype=next(base.parameters()).dtype,
         context_length=data.context_length,
         tokens_per_step=train.tokens_per_step,

@@ -225,6 +225,13 @@ def token_budget_to_sequences(tokens: int, context_length: int) -> int:
     return math.ceil(tokens / context_length)
 
 
+def stream_sequences(tokens: int, context_length: int, world_size: int = 1) -> int:
+    """Packed sequences the distillation stream reads for a budget of `tokens`: ceil(tokens / T), rounded up to a
+    multiple of the process count. Each data-parallel rank takes every world_size-th sequence and a step takes as
+    many rows from each rank, so an uneven last group would leave the ranks short of the final step."""
+    return math.ceil(token_budget_to_sequences(tokens, context_length) / world_size) * world_size
+
+
 def resolve_add_bos(cfg: DataConfig, tokenizer) -> bool:
     """Whether packed sequences start with BOS; add_bos=true with a tokenizer that has no BOS is an error."""
     has_bos = tokenizer.bos_token_id is not None
