@@ -69,3 +69,47 @@ def run_variants(tree: dict, source: str) -> tuple[dict[str, dict], float | None
     upcycle(recipe, progress=False)
     seconds = None if finished else time.perf_counter() - start
     return {name: json.loads((out / name / METRICS).read_text(encoding="utf-8")) for name in names}, seconds
+
+
+def run_variants_caught(
+    tree: dict, source: str, log=None
+) -> tuple[dict[str, dict], float | None, list[str], BaseException | None]:
+    """`run_variants`, for benchmarks that report a failure in their table instead of stopping: returns ({variant
+    name: metrics} of the variants that have a finished folder, seconds (None when every variant was already
+    finished), the distinct warnings raised (like `run_upcycle`), the exception that ended the run or None).
+
+    A variant that diverges stops alone and the others are published (`upcycle` then raises RunFailed naming it),
+    so after an error the finished variants are still returned; a variant missing from the result failed. `log`
+    receives `upcycle`'s one-line status messages (e.g. print)."""
+    from expertize.conversion.publishing.run_folder import METRICS, RESOLVED_RECIPE
+    from expertize.conversion.recipe import recipe_from_dict, recipe_to_dict, variant_recipes
+    from expertize.conversion.upcycle import upcycle
+
+    recipe = recipe_from_dict(tree, source=source)
+    names = [variant.name for variant in recipe.variants]
+    out = Path(recipe.output_dir)
+    finished = all((out / name / METRICS).exists() for name in names)
+    error = None
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            upcycle(recipe, progress=False, log=log)
+        except Exception as e:  # the caller reports it beside the variants that did finish
+            error = e
+    seconds = None if finished else time.perf_counter() - start
+    messages = []
+    for w in caught:
+        message = f"{w.category.__name__}: {w.message}"
+        if message not in messages:
+            messages.append(message)
+    metrics = {}
+    for name, variant in variant_recipes(recipe, source=source):
+        folder = Path(variant.output_dir)
+        # Only a folder finished by *this* recipe counts: after an error (e.g. a name taken by another recipe's
+        # finished run) a stale folder must not pass for this variant's result.
+        if (folder / METRICS).exists() and yaml.safe_load(
+            (folder / RESOLVED_RECIPE).read_text(encoding="utf-8")
+        ) == recipe_to_dict(variant):
+            metrics[name] = json.loads((folder / METRICS).read_text(encoding="utf-8"))
+    return metrics, seconds, messages, error

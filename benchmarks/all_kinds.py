@@ -1,8 +1,11 @@
 """Every sparse layer kind on one table: same layer, same training tokens, same parameter budget.
 
 One MLP of a real checkpoint (default: layer 2 of tiny-gpt2-shakespeare, d 128, gelu_new MLP 512) is replaced by
-each kind of `expertize.modeling.LAYER_KINDS` in turn, each run being `expertize upcycle` (`recipe_from_dict` +
-`upcycle`) of one recipe that differs only in its `layer:` section:
+each kind of `expertize.modeling.LAYER_KINDS`. All kinds (and, with --lr-sweep, every kind x learning rate) are the
+`variants:` of ONE recipe, trained by ONE `expertize upcycle` (`recipe_from_dict` + `upcycle`, via
+`_runs.run_variants_caught`): the base model runs over the corpus once and that one activation stream feeds every
+variant's trainer step by step, each variant getting the weights it would get alone (tests/test_variants.py). The
+variants differ only in their `layer:` section and `train.lr`:
 
     every kind   layer.match_transcoder = F (default 8): the kind's size field is the largest value whose spec has at
                  most the parameters of a TopK transcoder with F·d_in latents (mxd: convention "exact"; transcoders:
@@ -26,11 +29,13 @@ each kind of `expertize.modeling.LAYER_KINDS` in turn, each run being `expertize
     `activation: auto` everywhere: the base MLP's (gelu_new), except MoE-X, whose recipe default is ReLU experts.
 
 Same data (tinyshakespeare, the checkpoint's training text, 10% of documents held out), same tokens (same seed, same
-order), same optimizer settings for every kind: AdamW lr 1e-2, 50 warm-up steps, cosine decay to 0.1 lr, 1,024 tokens
-per step, NMSE loss (the MxD paper's), fp32, gradient clipping 1.0, routed kinds' auxiliary losses at their specs'
-own coefficients. Nothing is tuned per kind. The default budget, 327,680 training tokens (320 steps), is the most
-tinyshakespeare gives (343,808 training tokens at context 128). That is short, and the ranking of the kinds depends
-on the learning rate: in a sweep over {1e-3, 3e-3, 1e-2, 3e-2} (`--lr-sweep`), 1e-2 was the best shared rate (best
+order), same optimizer settings for every kind: AdamW lr 1e-2, 50 warm-up steps, cosine decay to 0.1 lr, 1,024
+tokens per step, NMSE loss (the MxD paper's), fp32, gradient clipping 1.0, routed kinds' auxiliary losses at their
+specs' own coefficients, AuxK at the recipe default (train.auxk_coef 1/32, k_aux and dead window auto) for the kinds
+that have it (mxd, transcoder, skip_transcoder, routed_neurons; the others train without it). Nothing is tuned per
+kind. The default budget, 327,680 training tokens (320 steps), is the most tinyshakespeare gives (343,808 training
+tokens at context 128). That is short, and the ranking of the kinds depends on the learning rate: in a sweep over
+{1e-3, 3e-3, 1e-2, 3e-2} (`--lr-sweep`, measured before AuxK was on by default), 1e-2 was the best shared rate (best
 FVU for transcoder, skip_transcoder, monet_hd, monet_vd, routed_neurons; mxd, mumoe_cp and mumoe_tr do better still
 at 3e-2, moe_x at 3e-3), and 1e-3 (the fidelity benchmark's rate) left every kind far from converged.
 
@@ -44,11 +49,21 @@ no grad, all layers timed round-robin in this process, median of the repeats).
 Run:  EXPERTIZE_DATA=/path/to/shared/data python benchmarks/all_kinds.py [--out all_kinds.md]
       python benchmarks/all_kinds.py --kinds mxd,moe_x --train-tokens 65536 --set moe_x.k=4
 
-Runs go to a temporary folder, removed at the end, unless --runs-dir is given (then a finished run whose recipe
-equals this invocation's is reused, and an unfinished one resumes).
+A kind whose layer settings are refused (e.g. a bad --set) is reported as FAILED before training and left out of the
+joint run; a variant that diverges stops alone and the others are still published and tabled. Runs go to a
+temporary folder, removed at the end, unless --runs-dir is given: then each variant's model folder is
+<runs-dir>/<kind>-lr<lr>/, a finished one whose recipe equals this invocation's is reused (so adding --lr-sweep
+later trains only the new rates), and an unfinished one resumes.
 
-Runtime: about 2-3 minutes on 2 idle CPU cores (measured 2m13s), plus as much again per --lr-sweep rate (8m55s with
---lr-sweep 1e-3,3e-3,3e-2); several times that when the cores are shared with other jobs.
+Runtime: the default run (9 variants in one run) took 37m50s wall, 21 CPU-minutes, with the 2 CPU cores shared with
+4-5 other jobs (load average 6-11) and this one niced, so that number says little; one run per kind, as this script
+used to do, took 2m13s on 2 idle cores (8m55s with --lr-sweep 1e-3,3e-3,3e-2). At equal work the joint run costs
+less: --kinds mxd,transcoder,moe_x --train-tokens 32768 --eval-tokens 8192 --threads 1 took 17.0 CPU-s as one run
+vs 20.0 CPU-s as three (same metrics to the last digit); what it saves is the base model's loading and forward per
+kind, small next to the sparse layers' own math on this 4-layer model, larger on a real one. Expect about 2-3
+minutes on 2 idle cores, plus about as much again per --lr-sweep rate. The forward-time column is timed round-robin
+after training, so drifts hit all layers alike, but on busy cores the ratios shrink toward 1 (the dense MLP's time
+grew most in the run above); measure it on idle cores.
 """
 
 import argparse
@@ -66,7 +81,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from _runs import run_upcycle, text_data
+from _runs import run_variants_caught, text_data
 from _timing import round_robin_times
 
 MODELS = {
@@ -143,14 +158,14 @@ def kind_settings(overrides: list[str]) -> dict[str, dict]:
 
 
 def build_tree(args: argparse.Namespace, kind: str, settings: dict, out_dir: Path) -> dict:
-    """The recipe of one run; only `layer:` differs between kinds."""
+    """The recipe of one kind (the joint run's shared sections; its variants differ only in `layer:` and lr)."""
     model_dir, corpus, separator, _ = MODELS[args.model]
     data = Path(args.data)
     return {
         "base_model": str(data / model_dir),
         "dtype": "float32",
         "layers": [args.layer],
-        "layer": {"kind": kind, "match_transcoder": args.match_transcoder, **settings},
+        "layer": {"kind": kind, "match_transcoder": args.match_transcoder, **settings},  # = layer_section
         "data": text_data(data / corpus, separator, args.context_length, args.train_tokens, args.eval_tokens, args.seed),
         "train": {
             "lr": args.lr,
@@ -180,6 +195,8 @@ def build_tree(args: argparse.Namespace, kind: str, settings: dict, out_dir: Pat
 def where_it_failed(error: BaseException) -> str:
     """The innermost frame of the traceback inside this repository (or the innermost at all), as file:line."""
     frames = traceback.extract_tb(error.__traceback__)
+    if not frames:  # never raised (e.g. a variant that left no metrics.json)
+        return "benchmarks/all_kinds.py"
     root = str(Path(__file__).resolve().parent.parent)
     ours = [f for f in frames if f.filename.startswith(root)]
     frame = (ours or frames)[-1]
@@ -209,38 +226,84 @@ def _f(value, fmt: str) -> str:
     return format(value, fmt)
 
 
-def run_kinds(args: argparse.Namespace, lr: float, kinds: list[str], settings: dict, root: Path):
-    """Upcycle every kind at learning rate `lr` into root/<kind>; returns (rows, failures)."""
+def variant_name(kind: str, lr: float) -> str:
+    """The folder of one (kind, lr) variant under --runs-dir, e.g. mxd-lr0.01 (no '+': 1e+06 -> 1e06)."""
+    return f"{kind}-lr{lr:g}".replace("+", "")
+
+
+def layer_section(args: argparse.Namespace, kind: str, settings: dict) -> dict:
+    """The recipe `layer:` section of one kind (see the module docstring)."""
+    return {"kind": kind, "match_transcoder": args.match_transcoder, **settings[kind]}
+
+
+def check_kind(args: argparse.Namespace, kind: str, settings: dict) -> None:
+    """Raise the recipe / spec error of one kind's layer settings (e.g. a bad --set) before the joint run, so that
+    one kind's mistake leaves it out of the table instead of stopping every other kind's training."""
+    from expertize.conversion.preflight import base_model_config
+    from expertize.conversion.recipe import recipe_from_dict, resolve_layer_spec
+    from expertize.conversion.surgery.families import mlp_shape
+
+    tree = build_tree(args, kind, settings[kind], Path(tempfile.gettempdir()) / "expertize-all-kinds-check")
+    recipe = recipe_from_dict(tree, source=f"benchmarks/all_kinds.py {kind}")
+    resolve_layer_spec(recipe.layer, mlp_shape(base_model_config(recipe.base_model)))
+
+
+def failure(kind: str, lr: float, error: BaseException) -> dict:
+    return {"kind": kind, "lr": lr, "where": where_it_failed(error), "error": f"{type(error).__name__}: {error}",
+            "traceback": "".join(traceback.format_exception(error))}
+
+
+def run_kinds(args: argparse.Namespace, lrs: list[float], kinds: list[str], settings: dict, root: Path):
+    """Upcycle every (kind, lr) as a variant of ONE recipe into root/<kind>-lr<lr>: one activation stream (one
+    capture of the base model) feeds every variant's trainer step by step, and each variant's weights are those it
+    would get alone. Returns (rows, failures, seconds of the joint run or None when every variant was reused)."""
     from expertize.modeling import spec_from_dict
 
-    rows, failures = [], []
+    failures, ok = [], []
     for kind in kinds:
-        out_dir = root / kind
-        tree = build_tree(args, kind, settings[kind], out_dir)
-        tree["train"]["lr"] = lr
         try:
-            metrics, seconds, caught = run_upcycle(tree, "benchmarks/all_kinds.py")
+            check_kind(args, kind, settings)
+            ok.append(kind)
         except Exception as error:  # report precisely, go on with the other kinds
-            failures.append({"kind": kind, "lr": lr, "where": where_it_failed(error),
-                             "error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()})
+            for lr in lrs:
+                failures.append(failure(kind, lr, error))
             print(f"  {kind}: FAILED at {failures[-1]['where']}: {failures[-1]['error']}", flush=True)
-            continue
-        config = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))
-        spec = spec_from_dict(config["sparse_layers"][str(args.layer)])
-        m, ce = metrics["layers"][str(args.layer)], metrics["ce"]
-        row = {"kind": kind, "lr": lr, "spec": spec.to_dict(), "parameters": spec.num_parameters(),
-               "active_parameters": spec.active_parameters(), "nmse_paper": m["nmse_paper"], "fvu": m["fvu"],
-               "delta_ce": ce["delta"], "l0": m["l0"], "num_units": m["num_units"],
-               "dead_fraction": m["dead_fraction"], "ce_base": ce["base"], "seconds": seconds,
-               "warnings": caught, "run_dir": str(out_dir)}
-        rows.append(row)
-        when = "reused" if seconds is None else f"{seconds:.0f}s"
-        print(f"  {kind}: NMSE {row['nmse_paper']:.4f}, FVU {row['fvu']:.4f}, ΔCE {row['delta_ce']:+.4f}, "
-              f"L0 {row['l0']:.1f} [{when}]", flush=True)
-        print(f"    spec {json.dumps(row['spec'])}", flush=True)
-        for message in caught:
-            print(f"    warning: {message}", flush=True)
-    return rows, failures
+    if not ok:
+        return [], failures, None
+    tree = build_tree(args, ok[0], settings[ok[0]], root)
+    tree["variants"] = [
+        {"name": variant_name(kind, lr), "layer": layer_section(args, kind, settings), "train": {"lr": lr}}
+        for lr in lrs for kind in ok
+    ]
+    print(f"  one run, {len(tree['variants'])} variants on one activation stream: "
+          f"{', '.join(v['name'] for v in tree['variants'])}", flush=True)
+    metrics_of, seconds, caught, error = run_variants_caught(tree, "benchmarks/all_kinds.py")
+    when = "all reused" if seconds is None else f"{seconds:.0f}s"
+    print(f"  trained [{when}]" + (f"; the run ended with {type(error).__name__}" if error else ""), flush=True)
+    for message in caught:
+        print(f"    warning: {message}", flush=True)
+    rows = []
+    for lr in lrs:
+        for kind in ok:
+            name = variant_name(kind, lr)
+            if name not in metrics_of:
+                failures.append(failure(kind, lr, error or RuntimeError(f"variant {name} has no metrics.json")))
+                print(f"  {name}: FAILED at {failures[-1]['where']}: {failures[-1]['error']}", flush=True)
+                continue
+            out_dir = root / name
+            metrics = metrics_of[name]
+            config = json.loads((out_dir / "config.json").read_text(encoding="utf-8"))
+            spec = spec_from_dict(config["sparse_layers"][str(args.layer)])
+            m, ce = metrics["layers"][str(args.layer)], metrics["ce"]
+            row = {"kind": kind, "lr": lr, "spec": spec.to_dict(), "parameters": spec.num_parameters(),
+                   "active_parameters": spec.active_parameters(), "nmse_paper": m["nmse_paper"], "fvu": m["fvu"],
+                   "delta_ce": ce["delta"], "l0": m["l0"], "num_units": m["num_units"],
+                   "dead_fraction": m["dead_fraction"], "ce_base": ce["base"], "run_dir": str(out_dir)}
+            rows.append(row)
+            print(f"  {name}: NMSE {row['nmse_paper']:.4f}, FVU {row['fvu']:.4f}, ΔCE {row['delta_ce']:+.4f}, "
+                  f"L0 {row['l0']:.1f}, dead {row['dead_fraction']:.1%}", flush=True)
+            print(f"    spec {json.dumps(row['spec'])}", flush=True)
+    return rows, failures, seconds
 
 
 def main() -> int:
@@ -272,6 +335,7 @@ def main() -> int:
     from expertize.conversion.data.capture import MlpCapture, decoder_blocks
     from expertize.conversion.data.text import load_eval_sequences
     from expertize.conversion.recipe import recipe_from_dict
+    from expertize.conversion.recipe.schema import TrainConfig
     from expertize.conversion.surgery.splice import base_family, load_base_model
     from expertize.modeling import FAMILIES
     from transformers import AutoTokenizer
@@ -279,11 +343,14 @@ def main() -> int:
 
     hf_logging.disable_progress_bar()
     steps = args.train_tokens // args.tokens_per_step
+    auxk = TrainConfig()  # the recipe's defaults: build_tree leaves the AuxK keys alone
     header = (
         f"All kinds on {args.model} layer {args.layer}, parameter-matched to a {args.match_transcoder:g}x transcoder; "
         f"{steps * args.tokens_per_step:,} training tokens per kind ({steps} steps x {args.tokens_per_step}, context "
         f"{args.context_length}); AdamW lr {args.lr:g}, warm-up {args.warmup_steps}, cosine to 0.1 lr, NMSE loss, "
-        f"clip 1.0, fp32, seed {args.seed}; eval on {args.eval_tokens:,} held-out tokens; forward time: "
+        f"clip 1.0, fp32, AuxK coef {auxk.auxk_coef:g} (k_aux {auxk.auxk_k}, window {auxk.dead_window_tokens}; "
+        f"top-k kinds), seed {args.seed}; every kind and lr a variant of one run (one activation stream); eval on "
+        f"{args.eval_tokens:,} held-out tokens; forward time: "
         f"{args.timing_tokens:,} held-out MLP inputs, median of {args.timing_repeats}, inference; torch "
         f"{torch.__version__}, {torch.get_num_threads()} threads"
     )
@@ -295,11 +362,12 @@ def main() -> int:
     start = time.perf_counter()
     sweep: dict[float, list[dict]] = {}
     try:
-        rows, failures = run_kinds(args, args.lr, kinds, settings, runs_root / f"lr{args.lr:g}")
-        for lr in args.lr_sweep:
-            if lr != args.lr:
-                print(f"  lr sweep: lr {lr:g}", flush=True)
-                sweep[lr] = run_kinds(args, lr, kinds, settings, runs_root / f"lr{lr:g}")[0]
+        lrs = [args.lr, *dict.fromkeys(lr for lr in args.lr_sweep if lr != args.lr)]
+        all_rows, all_failures, train_seconds = run_kinds(args, lrs, kinds, settings, runs_root)
+        rows = [r for r in all_rows if r["lr"] == args.lr]
+        failures = [f for f in all_failures if f["lr"] == args.lr]
+        for lr in lrs[1:]:
+            sweep[lr] = [r for r in all_rows if r["lr"] == lr]
 
         # Forward time of every trained layer vs the dense MLP, on the same held-out MLP inputs, round-robin.
         recipe = recipe_from_dict(build_tree(args, kinds[0], settings[kinds[0]], runs_root / "unused"))
@@ -341,16 +409,16 @@ def main() -> int:
     footer = (f"Base CE {base_ce:.4f} nats/token on the held-out tokens; dense MLP forward "
               f"{1e3 * seconds['dense MLP']:.2f} ms per {x.shape[0]:,} tokens.")
     if sweep:
-        lrs = sorted({args.lr, *sweep})
+        sweep_lrs = sorted({args.lr, *sweep})
         by_lr = {args.lr: {r["kind"]: r for r in rows}, **{lr: {r["kind"]: r for r in rs} for lr, rs in sweep.items()}}
         lines += ["", "FVU (ΔCE) of the same runs at other learning rates, everything else equal; the best FVU of "
-                  "each kind in bold:", "", "| kind | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |",
-                  "|---|" + "---:|" * len(lrs)]
+                  "each kind in bold:", "", "| kind | " + " | ".join(f"lr {lr:g}" for lr in sweep_lrs) + " |",
+                  "|---|" + "---:|" * len(sweep_lrs)]
         for kind in kinds:
-            got = {lr: by_lr[lr][kind] for lr in lrs if kind in by_lr[lr]}
+            got = {lr: by_lr[lr][kind] for lr in sweep_lrs if kind in by_lr[lr]}
             best = min(got, key=lambda lr: got[lr]["fvu"]) if got else None
             cells = []
-            for lr in lrs:
+            for lr in sweep_lrs:
                 if lr not in got:
                     cells.append("failed")
                     continue
@@ -360,11 +428,18 @@ def main() -> int:
     table = "\n".join([header, "", *lines, "", footer])
     print()
     print(table)
-    if failures:
+    if all_failures:
         print("\nFailures:")
-        for f in failures:
-            print(f"\n{f['kind']}: {f['where']}: {f['error']}\n{f['traceback']}")
-    print(f"\nwall time {wall:.0f}s (runs reused from --runs-dir count 0)")
+        shown = {}  # one traceback per (kind, error): a kind refused before training fails at every lr alike
+        for f in all_failures:
+            shown.setdefault((f["kind"], f["error"]), []).append(f)
+        for (kind, _), same in shown.items():
+            f, at = same[0], ", ".join(format(g["lr"], "g") for g in same)
+            print(f"\n{kind} (lr {at}): {f['where']}: {f['error']}\n"
+                  f"{f['traceback']}")
+    trained = "all reused from --runs-dir" if train_seconds is None else f"{train_seconds:.0f}s"
+    print(f"\nwall time {wall:.0f}s (the one training run of {len(all_rows)} variants: {trained}; the rest is the "
+          "forward timing)")
     if args.out:
         Path(args.out).write_text(table + "\n", encoding="utf-8")
         print(f"wrote {args.out}")

@@ -1,8 +1,11 @@
 """Dead units with AuxK off and on, at equal tokens: MxD and the TopK transcoder at K = 8 and K = 32.
 
-Each run is `expertize upcycle` (`recipe_from_dict` + `upcycle`) of a recipe built here; the AuxK-off and AuxK-on
-runs of a (model, kind, K) differ only in `train.auxk_coef` (0 vs --auxk-coef), so they see the same tokens in the
-same order from the same initialization.
+Each model is ONE `expertize upcycle` (`recipe_from_dict` + `upcycle`, via `_runs.run_variants`) of a recipe built
+here whose `variants:` are every (kind, K, AuxK off / on): the base model runs over the corpus once and that
+activation stream feeds every variant's trainer step by step, each variant getting the weights it would get alone
+(tests/test_variants.py). The AuxK-off and AuxK-on variants of a (model, kind, K) differ only in `train.auxk_coef`
+(0 vs --auxk-coef), so they see the same tokens in the same order from the same initialization. With --runs-dir
+each variant's model folder is <runs-dir>/<model>/<kind>-k<K>-<off|auxk>/ (a finished one is reused).
 
     models   tiny-gpt2-shakespeare (layer 2, d 128, gelu_new MLP 512) and stories260k (layer 2, d 64, SwiGLU 172),
              each on its own text (tinyshakespeare / TinyStories samples), 10% of the documents held out
@@ -20,9 +23,10 @@ run of the same setting: FVU and ΔCE ratios (< 1.10: within the issue's 10% tar
 Run:  EXPERTIZE_DATA=/path/to/shared/data python benchmarks/dead_units.py [--out dead_units.md]
       python benchmarks/dead_units.py --models stories260k --kinds mxd --ks 8 --auxk-coef 0.1
 
-Runtime: 16 runs at the default 327,680 training tokens each; a run took 10-20 s on 2 idle CPU cores (so about 5
-minutes in all), and up to ten times that on a machine shared with other jobs. The budget and the wall time are
-printed at the start and the end.
+Runtime: 16 variants at the default 327,680 training tokens each, in 2 runs (one per model). As 16 separate runs
+this took 4.4 min on 2 CPU cores; the joint runs save the per-run base-model loading and capture (not re-measured at
+the default budget: the cores were shared with other jobs; --models stories260k --train-tokens 8192 --eval-tokens
+4096, 8 variants, took 1.0 min there). The budget and the wall time are printed at the start and the end.
 """
 
 import argparse
@@ -35,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _runs import run_upcycle, text_data
+from _runs import run_variants, text_data
 
 MODELS = {
     # name: (model folder, corpus, document separator, layer)
@@ -103,23 +107,39 @@ def _f(value, fmt: str) -> str:
     return format(value, fmt)
 
 
-def one_run(args, model: str, kind: str, k: int, auxk: bool, root: Path) -> dict:
-    out_dir = root / f"{model}-{kind}-k{k}-{'auxk' if auxk else 'off'}"
-    tree = build_tree(args, model, kind, k, args.auxk_coef if auxk else 0.0, out_dir)
-    metrics, seconds, _ = run_upcycle(tree, "benchmarks/dead_units.py")
+def model_runs(args, model: str, kinds: list[str], ks: list[int], root: Path) -> list[dict]:
+    """Every (kind, K, AuxK off / on) of `model` as a variant of ONE recipe, trained on one activation stream (one
+    capture) into root/<model>/<kind>-k<K>-<off|auxk>/; each variant's weights are those it would get alone. The
+    off / on variants of a setting differ only in train.auxk_coef."""
+    settings = [(kind, k, auxk) for kind in kinds for k in ks for auxk in (False, True)]
+    name = {s: f"{s[0]}-k{s[1]}-{'auxk' if s[2] else 'off'}" for s in settings}
+    tree = build_tree(args, model, kinds[0], ks[0], args.auxk_coef, root / model)
+    tree["variants"] = [
+        {"name": name[(kind, k, auxk)], "layer": {"kind": kind, "k": k, "match_transcoder": args.match_transcoder},
+         "train": {"auxk_coef": args.auxk_coef if auxk else 0.0}}
+        for kind, k, auxk in settings
+    ]
+    print(f"  {model}: one run, {len(settings)} variants on one activation stream", flush=True)
+    metrics_of, seconds = run_variants(tree, "benchmarks/dead_units.py")
+    print(f"  {model}: [{'reused' if seconds is None else f'{seconds:.0f}s'}]", flush=True)
     layer = str(MODELS[model][3])
-    m, ce = metrics["layers"][layer], metrics["ce"]
-    log = [json.loads(line) for line in (out_dir / "train_log.jsonl").read_text(encoding="utf-8").splitlines()]
-    last = log[-1]
-    row = {
-        "model": model, "kind": kind, "k": k, "auxk": auxk, "num_units": m["num_units"],
-        "dead": m["dead_fraction"], "dead_train": last["dead_fraction"], "fvu": m["fvu"], "delta_ce": ce["delta"],
-        "l0": m["l0"], "seconds": seconds,
-    }
-    print(f"  {model} {kind} K={k} AuxK {'on ' if auxk else 'off'}: dead {row['dead']:.1%} (train "
-          f"{row['dead_train']:.1%}) of {row['num_units']}, FVU {row['fvu']:.4f}, ΔCE {row['delta_ce']:+.4f}, "
-          f"L0 {row['l0']:.1f} [{'reused' if seconds is None else f'{seconds:.0f}s'}]", flush=True)
-    return row
+    rows = []
+    for kind, k, auxk in settings:
+        out_dir = root / model / name[(kind, k, auxk)]
+        metrics = metrics_of[name[(kind, k, auxk)]]
+        m, ce = metrics["layers"][layer], metrics["ce"]
+        log = [json.loads(line) for line in (out_dir / "train_log.jsonl").read_text(encoding="utf-8").splitlines()]
+        last = log[-1]
+        row = {
+            "model": model, "kind": kind, "k": k, "auxk": auxk, "num_units": m["num_units"],
+            "dead": m["dead_fraction"], "dead_train": last["dead_fraction"], "fvu": m["fvu"], "delta_ce": ce["delta"],
+            "l0": m["l0"], "seconds": seconds,
+        }
+        print(f"  {model} {kind} K={k} AuxK {'on ' if auxk else 'off'}: dead {row['dead']:.1%} (train "
+              f"{row['dead_train']:.1%}) of {row['num_units']}, FVU {row['fvu']:.4f}, ΔCE {row['delta_ce']:+.4f}, "
+              f"L0 {row['l0']:.1f}", flush=True)
+        rows.append(row)
+    return rows
 
 
 def table(rows: list[dict]) -> str:
@@ -162,19 +182,17 @@ def main() -> int:
 
         torch.set_num_threads(args.threads)
     n_runs = len(models) * len(kinds) * len(ks) * 2
-    budget = (f"{n_runs} runs x {args.train_tokens:,} training tokens ({args.train_tokens // args.tokens_per_step} "
-              f"steps of {args.tokens_per_step:,}), {args.eval_tokens:,} eval tokens, lr {args.lr:g}, AuxK coef "
-              f"{args.auxk_coef:g}, k_aux {args.auxk_k}, dead window {args.dead_window}")
+    budget = (f"{n_runs} variants ({len(models)} runs, one per model) x {args.train_tokens:,} training tokens "
+              f"({args.train_tokens // args.tokens_per_step} steps of {args.tokens_per_step:,}), {args.eval_tokens:,} "
+              f"eval tokens, lr {args.lr:g}, AuxK coef {args.auxk_coef:g}, k_aux {args.auxk_k}, dead window "
+              f"{args.dead_window}")
     print(f"budget: {budget}", flush=True)
     root = Path(args.runs_dir) if args.runs_dir else Path(tempfile.mkdtemp(prefix="expertize-dead-units-"))
     started = time.perf_counter()
     rows = []
     try:
         for model in models:
-            for kind in kinds:
-                for k in ks:
-                    for auxk in (False, True):
-                        rows.append(one_run(args, model, kind, k, auxk, root))
+            rows += model_runs(args, model, kinds, ks, root)
     finally:
         if not args.runs_dir:
             shutil.rmtree(root, ignore_errors=True)

@@ -10,18 +10,23 @@ the real checkpoints in the shared data folder:
     tiny-gpt2-shakespeare  GPT-2, 4 layers, d_model 128, gelu_new 512 -> MxD encoder mlp/gelu_new   layer 2
                            on corpora/tinyshakespeare.txt (one speech per paragraph)
 
-For each model and each K, three runs of `expertize upcycle` that differ *only* in `layer.kind`:
+For each model, ONE run of `expertize upcycle` whose `variants:` are every (method, K), differing *only* in
+`layer.kind` and `layer.k`; the base model runs over the corpus once and that activation stream feeds every
+variant's trainer step by step, each variant getting the weights it would get alone (tests/test_variants.py):
 
     mxd              match_transcoder: 32 (convention "exact": the largest N within the 32x transcoder's parameters)
     transcoder       match_transcoder: 32 (32 x d_in latents)
     skip_transcoder  match_transcoder: 32 (32 x d_in latents, plus the dense d_in x d_out skip matrix)
 
 Same K, same training tokens (same seed, same order), same held-out documents, same optimizer settings (AdamW, lr,
-warm-up, cosine decay to 0.1 lr, NMSE loss). Nothing is tuned per method.
+warm-up, cosine decay to 0.1 lr, NMSE loss, AuxK at the recipe default train.auxk_coef 1/32). Nothing is tuned per
+method.
 
-Runs go to <out>/<model>/<kind>-k<K>/; a run whose metrics.json exists is not run again (its recipe must equal the
-one this invocation would use), and an unfinished run resumes, so the script can be interrupted and restarted.
-The table is printed and written as <out>/fidelity.md and <out>/fidelity.json.
+Each variant's model folder is <out>/<model>/<kind>-k<K>/ (the layout, and recipe, of the former one-run-per-method
+folders, so those are reused); a finished variant is not run again (its recipe must equal the one this invocation
+would use), and unfinished ones resume, so the script can be interrupted and restarted; a variant that diverges
+stops alone and is reported FAILED (exit status 1). The table is printed and written as <out>/fidelity.md and
+<out>/fidelity.json.
 
 Columns: parameters of the sparse layer (from the saved spec); NMSE as the paper defines it; FVU; ΔCE = CE(spliced)
 - CE(base); KL(base ‖ spliced) per token; CE recovered vs zero ablation; the fraction of greedy 32-token
@@ -32,8 +37,10 @@ Run:  EXPERTIZE_DATA=/path/to/shared/data python benchmarks/fidelity.py
       python benchmarks/fidelity.py --data /path/to/shared/data --ks 32,8 --train-tokens 163840 --out runs/fid-small
 
 Default budget: 327,680 training tokens per run (320 steps of 1,024), the most a multiple of 1,024 allows below the
-343,808 training tokens that tinyshakespeare yields (90% of its paragraphs, context 128); all 12 runs take about
-2-3 minutes on 2 otherwise idle CPU cores (measured 2m14s; several times that when the cores are shared).
+343,808 training tokens that tinyshakespeare yields (90% of its paragraphs, context 128). As 12 separate runs this
+took 2m14s on 2 otherwise idle CPU cores; now 2 runs of 6 variants, which saves the per-run base-model loading and
+capture (not re-measured at the default budget: the cores were shared with other jobs; a 4,096-token smoke run of all
+12 variants took 260 s wall there, mostly the 12 evaluations).
 """
 
 import argparse
@@ -45,7 +52,7 @@ import time
 from pathlib import Path
 
 import torch
-from _runs import run_upcycle, text_data
+from _runs import run_variants_caught, text_data
 
 MODELS = {
     # name: (model folder, corpus, document separator, layer)
@@ -156,7 +163,7 @@ def row_for(model: str, kind: str, k: int, out_dir: Path, metrics: dict, seconds
         "greedy_match_at_end": gen.get("match_at_end"),
         "train_tokens": metrics["train"]["tokens"],
         "eval_tokens": metrics["eval_tokens"],
-        "seconds": seconds,
+        "seconds": seconds,  # of the model's one run (every method and K together); None when reused
         "run_dir": str(out_dir),
     }
 
@@ -244,39 +251,51 @@ def main() -> int:
         f"over {args.generation_prompts} prompts x 32 tokens; torch threads {torch.get_num_threads()}"
     )
     print(header, flush=True)
-    rows, all_warnings = [], {}
+    rows, all_warnings, failures = [], {}, []
     start = time.perf_counter()
     for model in models:
-        for k in ks:
-            for kind in methods:
-                out_dir = out_root / model / f"{kind}-k{k}"
-                tree = build_tree(args, model, kind, k, out_dir)
-                metrics, seconds, caught = run_upcycle(tree, "benchmarks/fidelity.py")
-                row = row_for(model, kind, k, out_dir, metrics, seconds)
-                rows.append(row)
-                if caught:
-                    all_warnings[str(out_dir)] = caught
-                when = "reused" if seconds is None else f"{seconds:.0f}s"
-                print(f"  {model} L{row['layer']} K={k} {row['method']:<3} ({row['units']:,} units, "
-                      f"{row['parameters']:,} params): ΔCE {row['delta_ce']:+.4f}, NMSE {row['nmse_paper']:.4f}, "
-                      f"FVU {row['fvu']:.4f} [{when}]", flush=True)
-                for message in caught:
-                    print(f"    warning: {message}", flush=True)
+        # One run per model: every (method, K) is a variant of one recipe, trained on one activation stream (one
+        # capture), each into its own model folder <out>/<model>/<kind>-k<K>/ with the weights it would get alone.
+        names = {f"{kind}-k{k}": (kind, k) for k in ks for kind in methods}
+        first_kind, first_k = next(iter(names.values()))
+        tree = build_tree(args, model, first_kind, first_k, out_root / model)
+        tree["variants"] = [{"name": name, "layer": build_tree(args, model, kind, k, out_root / model)["layer"]}
+                            for name, (kind, k) in names.items()]
+        print(f"  {model}: one run, {len(names)} variants on one activation stream: {', '.join(names)}", flush=True)
+        metrics_of, seconds, caught, error = run_variants_caught(tree, "benchmarks/fidelity.py")
+        when = "all reused" if seconds is None else f"{seconds:.0f}s"
+        print(f"  {model}: trained [{when}]", flush=True)
+        if caught:
+            all_warnings[str(out_root / model)] = caught
+        for message in caught:
+            print(f"    warning: {message}", flush=True)
+        for name, (kind, k) in names.items():
+            if name not in metrics_of:
+                failures.append({"model": model, "variant": name, "error": f"{type(error).__name__}: {error}"})
+                print(f"  {model} {name}: FAILED: {failures[-1]['error']}", flush=True)
+                continue
+            row = row_for(model, kind, k, out_root / model / name, metrics_of[name], seconds)
+            rows.append(row)
+            print(f"  {model} L{row['layer']} K={k} {row['method']:<3} ({row['units']:,} units, "
+                  f"{row['parameters']:,} params): ΔCE {row['delta_ce']:+.4f}, NMSE {row['nmse_paper']:.4f}, "
+                  f"FVU {row['fvu']:.4f}", flush=True)
     wall = time.perf_counter() - start
     checks = verdicts(rows)
     text = format_tables(rows, checks, header)
     print()
     print(text)
-    print(f"\nwall time {wall:.0f}s (runs reused from earlier invocations count 0)")
+    for f in failures:
+        print(f"\nFAILED {f['model']} {f['variant']}: {f['error']}")
+    print(f"\nwall time {wall:.0f}s (one run per model; runs reused from earlier invocations count 0)")
     out_root.mkdir(parents=True, exist_ok=True)
     (out_root / "fidelity.md").write_text(text + "\n", encoding="utf-8")
     (out_root / "fidelity.json").write_text(
         json.dumps({"header": header, "args": vars(args), "rows": rows, "checks": checks, "warnings": all_warnings,
-                    "wall_seconds": wall}, indent=2),
+                    "failures": failures, "wall_seconds": wall}, indent=2),
         encoding="utf-8",
     )
     print(f"wrote {out_root / 'fidelity.md'} and {out_root / 'fidelity.json'}")
-    return 0
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

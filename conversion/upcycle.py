@@ -170,8 +170,7 @@ def _run(plans: list[RunPlan], folders: list[RunFolder], accelerator, *, progres
         raise RunFailed(
             f"variant(s) {names} diverged and were not published (the other variants were): "
             + " | ".join(str(error) for error in diverged.values())
-            + ". Change their train: settings in variants: and run the same command with --restart (finished "
-            "variants are kept)"
+            + " (set the variant's own train: keys in variants:; --restart keeps the finished variants)"
         )
 
 
