@@ -18,7 +18,6 @@ from expertize.conversion.recipe import RecipeError, load_recipe, recipe_from_di
 from expertize.conversion.training.distill import Trainer
 from expertize.conversion.training.errors import RunInterrupted
 from expertize.conversion.upcycle import upcycle, upcycle_summary
-from tests.conftest import tiny_base_model, tiny_tokenizer, write_corpus
 
 STEPS = 12
 VARIANTS = [
@@ -29,23 +28,14 @@ VARIANTS = [
 
 
 @pytest.fixture
-def variants_run(tmp_path):
-    base = tmp_path / "base"
-    tiny_base_model("llama").save_pretrained(base)
-    tiny_tokenizer().save_pretrained(base)
-    corpus = write_corpus(tmp_path / "corpus.txt", n_docs=1000)
-    tree = {
-        "base_model": str(base),
-        "layers": [0, 1],
-        "layer": {"kind": "mxd", "k": 4, "num_experts": 64, "options": {"random_k": True}},
-        "data": {"source": "text", "paths": [str(corpus)], "context_length": 16, "train_tokens": 256 * STEPS,
-                 "eval_tokens": 512, "eval_fraction": 0.1},
-        "train": {"lr": 3e-3, "warmup_steps": 5, "tokens_per_step": 256, "shuffle_buffer_tokens": 1024,
-                  "capture_batch_sequences": 16, "checkpoint_every": 4, "log_every": 2, "seed": 3, "device": "cpu"},
-        "eval": {"batch_sequences": 8, "generation_prompts": 2, "prompt_tokens": 3, "continuation_tokens": 3},
-        "output_dir": str(tmp_path / "sweep"),
-        "variants": VARIANTS,
-    }
+def variants_run(tiny_run):
+    """conftest's tiny Llama run, shorter, with three variants."""
+    tmp_path, tree = tiny_run
+    tree["layer"]["options"] = {"random_k": True}
+    tree["data"]["train_tokens"] = 256 * STEPS
+    tree["train"].update(checkpoint_every=4, log_every=2)
+    tree["eval"].update(generation_prompts=2, continuation_tokens=3)
+    tree.update(output_dir=str(tmp_path / "sweep"), variants=VARIANTS)
     return tmp_path, tree
 
 
