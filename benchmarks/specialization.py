@@ -1,10 +1,13 @@
 """Do the experts specialize? Every kind on one table: faithfulness beside domain masking, sparse probing, steering.
 
-One MLP of a real multi-domain model (SmolLM2-135M-Instruct, made by shared/tools/get_smollm2.py) is replaced by each
-kind in turn, each run being `expertize upcycle` of a recipe built here that differs only in its `layer:` section
-(sizes as benchmarks/all_kinds.py: every kind parameter-matched to a TopK transcoder with F·d_in latents, F =
---match-transcoder; the per-kind settings are all_kinds.KIND_SETTINGS). Data: named domain corpora
-(DIR/{code,docs,wiki,literature,stories}.jsonl, made by shared/tools/domain_corpora.py).
+One MLP of a real multi-domain model (SmolLM2-135M-Instruct, made by shared/tools/get_smollm2.py) is replaced by
+each kind. All kinds are variants of ONE recipe (`variants:`, one per kind, each a complete model folder
+RUNS/runs/KIND; benchmarks/_runs.run_variants): they train on one activation capture of the base model, the
+expensive part on CPU, with the same tokens in the same order and the same optimizer settings (a variant's weights
+are those of training it alone). Each variant's `layer:` section names its kind (sizes as benchmarks/all_kinds.py:
+every kind parameter-matched to a TopK transcoder with F·d_in latents, F = --match-transcoder; the per-kind settings
+are all_kinds.KIND_SETTINGS). Data: named domain corpora (DIR/{code,docs,wiki,literature,stories}.jsonl, made by
+shared/tools/domain_corpora.py).
 
 Split (conversion/specialization/splits.py): every document goes to the fit or the eval side by a seeded hash of its
 text (--eval-fraction of them to eval). The sparse layer is trained on fit documents only (interleaved round-robin
@@ -19,15 +22,32 @@ k-sparse probe F1 at k=1 and k=8 (mean over domains; dense MLP neurons as the ba
 on the steered unit's domain minus the mean drop on the others (nats), beside a random live unit's. μMoE: a unit
 (expert) "fires" where its entmax gate is > 0, so its frequency-based assignment is weaker than for TopK codes.
 
-A PNG plots masking specificity against ΔCE per kind.
+A PNG (--png) plots masking specificity against ΔCE per kind, each beside its random-live-units control.
 
-Run:  python benchmarks/specialization.py --domains DIR --model SMOLLM2_DIR [--quick]
+Run:  python benchmarks/specialization.py --domains DIR --model SMOLLM2_DIR [--quick | --full-cpu]
+          [--png docs/specialization.png] [--out docs/specialization.md] [--runs-dir RUNS]
 
---quick (a smoke-scale run for 2 shared CPU cores, < 10 minutes): the whole SmolLM2 (every masking / steering
-measurement is a full forward; a model truncated to fewer layers was tried and is useless, its CE is ~20 nats), layer
-15, 3 domains (code, wiki, stories), 2 kinds (mxd, transcoder), context 64, the 8x transcoder budget, 8,192 training
-tokens, 256 fit and 128 eval tokens per domain, 20 units tried as 1-D probes. Its numbers are far from any paper's
-budget (a handful of contexts per domain): they show the pipeline runs, not what the seeds claim.
+Cost model (why the CPU budgets are so small): every masking / steering measurement is a full forward of SmolLM2 over
+every domain's eval text (a model truncated to fewer layers was tried and is useless, its CE is ~20 nats). With D
+domains, F fit and E eval tokens per domain, one kind's specialization pass forwards 2·D·F tokens (unit statistics,
+pooled codes) + D·E (base CE) + 2·D²·E (masking: each domain's units and the random control, on every domain) +
+2·D²·E (steering, likewise) + D·E (pooled codes), i.e. 10·F + 110·E tokens at D = 5, plus the dense baseline's
+D·(F + E) once. Training costs one capture of --train-tokens plus each variant's held-out evaluation. Measured on 2
+shared CPU cores under `nice -n 15` (load 5-7): SmolLM2 forwards ~35-50 tokens/s (a 512x576x1536 matmul at
+~20 GFLOP/s); --quick (2 kinds, 3 domains, context 64, 256 fit / 128 eval tokens) took 9m36s: training 106s (one
+capture of 8,192 tokens, 2 variants), specialization ~200 s per kind.
+
+--quick (a smoke-scale run, < 10 minutes): layer 15, 3 domains (code, wiki, stories), 2 kinds (mxd, transcoder),
+context 32, the 8x transcoder budget, 8,192 training tokens (32 steps of 256), 256 fit and 64 eval tokens per domain
+(8 and 2 contexts), 20 units tried as 1-D probes. Its numbers show the pipeline runs, not what the seeds claim.
+
+--full-cpu (the full table, ~45-60 minutes on 2 shared cores under `nice -n 15`): layer 15, all 5 domains, all 7
+kinds of DEFAULT_KINDS, context 32, the 8x transcoder budget, 32,768 training tokens (128 steps of 256; 512 held-out
+tokens for ΔCE / FVU), 512 fit and 64 eval tokens per domain (16 and 2 contexts), 100 units tried as 1-D probes:
+~12,000 forwarded tokens per kind. It is the largest budget the cost model fits in an hour there, and still tiny:
+the layers are far from converged and every masking / steering ΔCE is measured on 62 predicted tokens per domain,
+probe F1 on 2 held-out contexts per domain. A GPU runs the defaults (262,144 training tokens, 8,192 fit / 2,048
+eval tokens per domain, context 128) with --device cuda.
 """
 
 import argparse
@@ -42,12 +62,18 @@ import time
 from pathlib import Path
 
 import torch
-from _runs import run_upcycle
+from _runs import run_variants
 from all_kinds import KIND_SETTINGS
 
 DEFAULT_KINDS = ("mxd", "transcoder", "skip_transcoder", "moe_x", "monet_vd", "routed_neurons", "mumoe_cp")
-QUICK = dict(layer=15, domain_names="code,wiki,stories", kinds="mxd,transcoder", context_length=64,
-             train_tokens=8192, fit_tokens=256, eval_tokens=128, upcycle_eval_tokens=256, probe_top=20)
+QUICK = dict(layer=15, domain_names="code,wiki,stories", kinds="mxd,transcoder", context_length=32,
+             train_tokens=8192, tokens_per_step=256, fit_tokens=256, eval_tokens=64, upcycle_eval_tokens=256,
+             probe_top=20)
+# The largest budget of the full table (7 kinds, 5 domains, layer 15) that 2 shared CPU cores finish in ~45-60 min
+# under `nice -n 15` (module docstring: the cost model and the measurement it was extrapolated from).
+FULL_CPU = dict(layer=15, domain_names="code,docs,literature,stories,wiki", kinds=",".join(DEFAULT_KINDS),
+                context_length=32, train_tokens=32_768, tokens_per_step=256, fit_tokens=512, eval_tokens=64,
+                upcycle_eval_tokens=512, probe_top=100)
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,7 +81,10 @@ def parse_args() -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--domains", required=True, help="folder of NAME.jsonl domain corpora ({'text': ...} per line)")
     p.add_argument("--model", required=True, help="the dense base model folder (e.g. SmolLM2-135M-Instruct)")
-    p.add_argument("--quick", action="store_true", help="the smoke-scale settings of the module docstring")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="the smoke-scale settings of the module docstring")
+    mode.add_argument("--full-cpu", action="store_true",
+                      help="the full table at the CPU budget of the module docstring (~45-60 min on 2 shared cores)")
     p.add_argument("--domain-names", default=None, help="comma-separated corpora of --domains (default: all)")
     p.add_argument("--kinds", default=",".join(DEFAULT_KINDS), help="comma-separated kinds")
     p.add_argument("--layer", type=int, default=None, help="decoder layer to replace (default: the middle one)")
@@ -76,8 +105,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--png", default="specialization.png", help="where to write the plot (default specialization.png)")
     p.add_argument("--out", default=None, help="also write the Markdown table here")
     args = p.parse_args()
-    if args.quick:  # --quick's values are defaults: options given explicitly still win
-        p.set_defaults(**QUICK)
+    if args.quick or args.full_cpu:  # the mode's values are defaults: options given explicitly still win
+        p.set_defaults(**(QUICK if args.quick else FULL_CPU))
         args = p.parse_args()
     return args
 
@@ -90,10 +119,14 @@ def interleave(docs: dict[str, list[str]]) -> list[dict]:
     return out
 
 
-def build_tree(args, base: str, kind: str, corpus: Path, out_dir: Path) -> dict:
+def build_tree(args, base: str, kinds: list[str], corpus: Path, out_dir: Path) -> dict:
+    """One recipe, one variant per kind (output_dir/KIND): every kind trains on the same single activation capture
+    of the base model (the expensive part on CPU), with the same tokens in the same order and the same optimizer."""
+    layer = lambda kind: {"kind": kind, "match_transcoder": args.match_transcoder, **KIND_SETTINGS[kind]}  # noqa: E731
     return {
         "base_model": base, "dtype": "float32", "layers": [args.layer],
-        "layer": {"kind": kind, "match_transcoder": args.match_transcoder, **KIND_SETTINGS[kind]},
+        "layer": layer(kinds[0]),
+        "variants": [{"name": kind, "layer": layer(kind)} for kind in kinds],
         "data": {"source": "jsonl", "paths": [str(corpus)], "context_length": args.context_length,
                  "train_tokens": args.train_tokens, "eval_tokens": args.upcycle_eval_tokens, "eval_fraction": 0.1,
                  "shuffle_documents": True, "seed": args.seed},
@@ -104,6 +137,23 @@ def build_tree(args, base: str, kind: str, corpus: Path, out_dir: Path) -> dict:
         "eval": {"batch_sequences": 8, "generation_prompts": 0, "histogram": False},
         "output_dir": str(out_dir),
     }
+
+
+def train_kinds(args, base: str, kinds: list[str], corpus: Path, out_dir: Path) -> tuple[dict, dict, float | None]:
+    """Train every kind as a variant of one recipe; returns ({kind: metrics} of the published ones, {kind: failure
+    message} of the others, seconds or None when all were already finished). A variant that diverges is not
+    published (upcycle raises RunFailed after publishing the others): it becomes a failure row, the rest go on."""
+    from expertize.conversion.errors import RunFailed
+    from expertize.conversion.publishing.run_folder import METRICS
+
+    try:
+        metrics, seconds = run_variants(build_tree(args, base, kinds, corpus, out_dir), __file__)
+        return metrics, {}, seconds
+    except RunFailed as error:
+        message = str(error).splitlines()[0][:300]
+        done = {k: json.loads((out_dir / k / METRICS).read_text(encoding="utf-8")) for k in kinds
+                if (out_dir / k / METRICS).is_file()}
+        return done, {k: f"not published: {message}" for k in kinds if k not in done}, None
 
 
 def _f(value, fmt):
@@ -153,26 +203,36 @@ def main() -> int:
         settings = SpecializationSettings(seed=args.seed, probe_top=args.probe_top, steer_scale=args.steer_scale)
         header = (f"{Path(args.model).name}, layer "
                   f"{args.layer}, {args.match_transcoder:g}x transcoder budget, {args.train_tokens:,} training tokens "
-                  f"per kind (context {args.context_length}, lr {args.lr:g}, NMSE), domains {', '.join(names)}: "
+                  f"per kind (context {args.context_length}, {args.tokens_per_step} tokens per step, lr {args.lr:g}, NMSE), domains {', '.join(names)}: "
                   f"{args.fit_tokens:,} fit / {args.eval_tokens:,} eval tokens per domain from disjoint documents "
                   f"(seeded hash, {args.eval_fraction:g} held out), seed {args.seed}, device {args.device}")
         print(header, flush=True)
-        rows, failures = [], []
+        rows, failures, spec_seconds = [], [], 0.0
+        t0 = time.perf_counter()
+        trained, untrained, train_seconds = train_kinds(args, base_dir, kinds, corpus, root / "runs")
+        train_seconds = time.perf_counter() - t0 if train_seconds is not None else None
+        failures += [f"{kind}: {message}" for kind, message in untrained.items()]
+        print(f"trained {len(trained)} of {len(kinds)} kinds on one activation capture"
+              + (f" [{train_seconds:.0f}s]" if train_seconds is not None else " (reused)"), flush=True)
         for kind in kinds:
+            if kind not in trained:
+                continue
             t0 = time.perf_counter()
             try:
-                metrics, _, _ = run_upcycle(build_tree(args, base_dir, kind, corpus, root / kind), __file__)
-                model = load_expertize_model(root / kind).to(args.device).eval()
+                model = load_expertize_model(root / "runs" / kind).to(args.device).eval()
                 report = specialize(model, fit, held, special, settings, layer=args.layer, base_model=None)
             except Exception as error:  # report it (e.g. every unit dead at a tiny budget), go on with the others
                 failures.append(f"{kind}: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
                 print(f"  {kind}: FAILED: {failures[-1]}", flush=True)
                 continue
+            metrics = trained[kind]
             m = metrics["layers"][str(args.layer)]
             row = {"kind": kind, "delta_ce": metrics["ce"]["delta"], "fvu": m["fvu"], **report.summary()}
             rows.append(row)
             (root / f"{kind}_specialization.json").write_text(json.dumps(report.to_json(), indent=1))
             print(f"  {kind} [{time.perf_counter() - t0:.0f}s]\n" + report.format(), flush=True)
+            spec_seconds += time.perf_counter() - t0
+            del model
         # The dense baseline of the probes: the base MLP's hidden neurons at the same layer (same contexts).
         from expertize.conversion.specialization import content_mask, pooled_dense, probe_domains
         from expertize.conversion.specialization.report import _labelled
@@ -200,30 +260,53 @@ def main() -> int:
     lines.append(f"| dense MLP neurons | 0 | 0 | – | – | – | – | {dense.mean_best_1d:.3f} | {dense.mean_k(1):.3f} | "
                  f"{dense.mean_k(8):.3f} | – |")
     lines += [f"| {f} | failed |" for f in failures]
-    table = "\n".join([header, "", *lines, "", f"wall time {time.perf_counter() - start:.0f}s"])
+    timing = (f"wall time {time.perf_counter() - start:.0f}s: training "
+              + (f"{train_seconds:.0f}s" if train_seconds is not None else "reused")
+              + f" ({len(kinds)} kinds as variants of one recipe, one activation capture), specialization "
+              f"{spec_seconds:.0f}s")
+    table = "\n".join([header, "", *lines, "", timing])
     print("\n" + table)
     if args.out:
         Path(args.out).write_text(table + "\n", encoding="utf-8")
-    plot(rows, args.png)
+    if args.runs_dir:  # the rows, to re-plot or re-tabulate without rerunning
+        (root / "rows.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1), encoding="utf-8")
+    plot(rows, args.png, f"{Path(args.model).name} layer {args.layer}, {args.train_tokens:,} training tokens")
     print(f"wrote {args.png}")
     return 0
 
 
-def plot(rows: list[dict], path: str) -> None:
+def plot(rows: list[dict], path: str, title: str = "") -> None:
+    """Masking specificity (filled marker) and its random-live-units control (x, same colour) against ΔCE, one colour
+    per kind. The y axis is symmetric-log: at small budgets a ratio of two near-zero ΔCEs can be in the hundreds, of
+    either sign. An infinite specificity (the other domains did not get worse) is drawn at the top edge as a
+    triangle; a kind with no assigned unit (undefined specificity) is named in the legend."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 4))
-    for r in rows:
-        spec = r["specificity"] if math.isfinite(r["specificity"]) else float("nan")
-        ax.scatter(r["delta_ce"], spec, label=r["kind"])
-        rnd = r["random_specificity"] if math.isfinite(r["random_specificity"]) else float("nan")
-        ax.scatter(r["delta_ce"], rnd, marker="x", color="grey")
-    ax.axhline(1.0, color="grey", lw=0.5)
-    ax.set_xlabel("ΔCE of the spliced model (nats)")
-    ax.set_ylabel("masking specificity (x: random live units)")
+    finite = [v for r in rows for v in (r["specificity"], r["random_specificity"]) if math.isfinite(v)]
+    top = max([1.0, *finite]) * 2
+    fig, ax = plt.subplots(figsize=(6.5, 4.8))
+    for i, r in enumerate(rows):
+        color = f"C{i % 10}"
+        shown = []
+        for key, marker in (("specificity", "o"), ("random_specificity", "x")):
+            value = r[key]
+            if math.isinf(value):
+                value, marker = (top, "^") if value > 0 else (float("nan"), marker)
+            shown.append(value)
+            label = None if key != "specificity" else (r["kind"] if math.isfinite(value) else
+                                                       f"{r['kind']} (no assigned units)")
+            ax.scatter(r["delta_ce"], value, marker=marker, color=color, label=label, s=40)
+        ax.plot([r["delta_ce"]] * 2, shown, color=color, lw=0.6, alpha=0.5)
+    ax.scatter([], [], marker="x", color="grey", label="random live units (control)")
+    ax.axhline(1.0, color="grey", lw=0.5, ls="--")
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_xlabel("ΔCE of the spliced model (nats, lower = more faithful)")
+    ax.set_ylabel("masking specificity ΔCE(domain) / ΔCE(others), symlog")
+    if title:
+        ax.set_title(title, fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
