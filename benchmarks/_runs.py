@@ -5,21 +5,18 @@ import time
 import warnings
 from pathlib import Path
 
-import yaml
-
 
 def run_upcycle(tree: dict, source: str) -> tuple[dict, float | None, list[str]]:
     """Run (or reuse) one upcycle of the recipe `tree`; returns (metrics, seconds or None when reused, the distinct
     warnings raised). A finished folder of a *different* recipe is an error, never silently reused."""
     from expertize.conversion.recipe import recipe_from_dict, recipe_to_dict
-    from expertize.conversion.publishing.run_folder import METRICS, RESOLVED_RECIPE
+    from expertize.conversion.publishing.run_folder import METRICS, RunFolder
     from expertize.conversion.upcycle import upcycle
 
     recipe = recipe_from_dict(tree, source=source)
     out = Path(recipe.output_dir)
     if (out / METRICS).exists():
-        saved = yaml.safe_load((out / RESOLVED_RECIPE).read_text(encoding="utf-8"))
-        if saved != recipe_to_dict(recipe):
+        if RunFolder(out).finished_recipe_differs(recipe_to_dict(recipe)):
             raise SystemExit(f"{out} holds a finished run of a different recipe; remove it or choose another --out")
         return json.loads((out / METRICS).read_text(encoding="utf-8")), None, []
     start = time.perf_counter()
@@ -27,12 +24,17 @@ def run_upcycle(tree: dict, source: str) -> tuple[dict, float | None, list[str]]
         warnings.simplefilter("always")
         upcycle(recipe, progress=False)
     seconds = time.perf_counter() - start
+    return json.loads((out / METRICS).read_text(encoding="utf-8")), seconds, _distinct_warnings(caught)
+
+
+def _distinct_warnings(caught: list) -> list[str]:
+    """The distinct messages of recorded warnings, "Category: message", in order."""
     messages = []
     for w in caught:
         message = f"{w.category.__name__}: {w.message}"
         if message not in messages:
             messages.append(message)
-    return json.loads((out / METRICS).read_text(encoding="utf-8")), seconds, messages
+    return messages
 
 
 def text_data(
@@ -81,7 +83,7 @@ def run_variants_caught(
     A variant that diverges stops alone and the others are published (`upcycle` then raises RunFailed naming it),
     so after an error the finished variants are still returned; a variant missing from the result failed. `log`
     receives `upcycle`'s one-line status messages (e.g. print)."""
-    from expertize.conversion.publishing.run_folder import METRICS, RESOLVED_RECIPE
+    from expertize.conversion.publishing.run_folder import METRICS, RunFolder
     from expertize.conversion.recipe import recipe_from_dict, recipe_to_dict, variant_recipes
     from expertize.conversion.upcycle import upcycle
 
@@ -98,18 +100,12 @@ def run_variants_caught(
         except Exception as e:  # the caller reports it beside the variants that did finish
             error = e
     seconds = None if finished else time.perf_counter() - start
-    messages = []
-    for w in caught:
-        message = f"{w.category.__name__}: {w.message}"
-        if message not in messages:
-            messages.append(message)
+    messages = _distinct_warnings(caught)
     metrics = {}
     for name, variant in variant_recipes(recipe, source=source):
         folder = Path(variant.output_dir)
         # Only a folder finished by *this* recipe counts: after an error (e.g. a name taken by another recipe's
         # finished run) a stale folder must not pass for this variant's result.
-        if (folder / METRICS).exists() and yaml.safe_load(
-            (folder / RESOLVED_RECIPE).read_text(encoding="utf-8")
-        ) == recipe_to_dict(variant):
+        if (folder / METRICS).exists() and not RunFolder(folder).finished_recipe_differs(recipe_to_dict(variant)):
             metrics[name] = json.loads((folder / METRICS).read_text(encoding="utf-8"))
     return metrics, seconds, messages, error

@@ -129,6 +129,15 @@ def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
     return [] if a == b else [prefix.rstrip(".")]
 
 
+def _recipe_differs(path: Path, resolved_recipe: dict) -> list[str]:
+    """The keys at which the recipe YAML at `path` differs from `resolved_recipe` (["<unreadable>"]: not a recipe)."""
+    try:
+        saved = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        saved = None
+    return _diff_keys(saved, resolved_recipe) if isinstance(saved, dict) else ["<unreadable>"]
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
@@ -221,11 +230,7 @@ class RunFolder:
 
     def finished_recipe_differs(self, resolved_recipe: dict) -> list[str]:
         """The keys at which the finished run's recipe.resolved.yaml differs from `resolved_recipe` ([]: same)."""
-        try:
-            saved = yaml.safe_load(self.recipe_path.read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError):
-            saved = None
-        return _diff_keys(saved, resolved_recipe) if isinstance(saved, dict) else ["<unreadable>"]
+        return _recipe_differs(self.recipe_path, resolved_recipe)
 
     # -- claim ------------------------------------------------------------------------------------------------------
 
@@ -258,11 +263,7 @@ class RunFolder:
         if saved.is_file():
             if restart:
                 return False
-            try:
-                previous = yaml.safe_load(saved.read_text(encoding="utf-8"))
-            except yaml.YAMLError:
-                previous = None
-            changed = _diff_keys(previous, resolved_recipe) if isinstance(previous, dict) else ["<unreadable>"]
+            changed = _recipe_differs(saved, resolved_recipe)
             if changed:
                 raise RunFolderError(
                     f"{out} holds an unfinished run of a different recipe (differs at {', '.join(changed)}); resume "
