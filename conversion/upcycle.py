@@ -239,14 +239,13 @@ def distil(
         for trainer in trainers:
             trainer.release()
     for plan, run, trainer in zip(plans, trained, trainers):
-        if trainer.name in diverged:
+        if trainer in diverged:
             continue
         with trainer.own_rng(len(trainers) > 1):
             trainer.save_checkpoint()  # a run killed during evaluation resumes straight into it
             run.rng = rng_state()
         run.steps, run.mean_outputs = plan.distill_steps, trainer.mean_outputs
-    return {folder.root.name: diverged[trainer.name] for trainer, folder in zip(trainers, folders)
-            if trainer.name in diverged}
+    return {folder.root.name: diverged[trainer] for trainer, folder in zip(trainers, folders) if trainer in diverged}
 
 
 def heal(plan: RunPlan, base, trained: Trained, folder: RunFolder, accelerator, *, progress: bool, say: Log) -> None:

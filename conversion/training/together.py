@@ -12,7 +12,7 @@ from .engine import Engine
 from .errors import RunInterrupted, TrainingDiverged
 
 
-def train_together(engines: list[Engine]) -> dict[str, TrainingDiverged]:
+def train_together(engines: list[Engine]) -> dict[Engine, TrainingDiverged]:
     """Train `engines` on one batch stream: the batch of step s (from the first engine's `batches`) goes to every
     engine whose next step is s, so each engine sees exactly the batches it would see alone. Variants of a recipe
     (`variants:`) train this way on one activation capture; `Engine.run` is the one-engine case.
@@ -20,14 +20,14 @@ def train_together(engines: list[Engine]) -> dict[str, TrainingDiverged]:
     Engines resumed from different steps (a run killed between two engines' checkpoints) are fine: the stream starts
     at the earliest step and an engine waits until it reaches its own. With several engines each one draws from its
     own torch RNG (`own_rng`), as it would alone, and one that diverges stops alone: its `TrainingDiverged` is
-    returned by engine name (its last good checkpoint kept) while the others go on. With one engine the error is
+    returned by engine (its last good checkpoint kept) while the others go on. With one engine the error is
     raised. Ctrl-C saves every engine that is between two steps and raises one `RunInterrupted`.
     """
     alone, lead = len(engines) == 1, engines[0]
     if len({engine.total_steps for engine in engines}) > 1:
         raise ValueError("engines trained together must have the same total_steps (they share one batch stream)")
     opened: list[Engine] = []
-    failed: dict[str, TrainingDiverged] = {}
+    failed: dict[Engine, TrainingDiverged] = {}
     local_main = lead.accelerator is None or lead.accelerator.is_local_main_process
     bar = None
     try:
@@ -58,7 +58,7 @@ def train_together(engines: list[Engine]) -> dict[str, TrainingDiverged]:
                 except TrainingDiverged as diverged:
                     if alone:
                         raise
-                    failed[engine.name] = diverged
+                    failed[engine] = diverged
                     active.remove(engine)
                     engine._say(f"{diverged}; the other variants go on")
                     continue
