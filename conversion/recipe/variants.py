@@ -27,7 +27,7 @@ import dataclasses
 import re
 from typing import Any
 
-from .coerce import RecipeError, check_field_types, did_you_mean
+from .coerce import check_field_types, did_you_mean
 
 __all__ = ["VARIANT_TRAIN_KEYS", "VariantConfig", "variant_recipes"]
 
@@ -99,8 +99,5 @@ def variant_recipes(recipe, source: str = "<recipe>") -> list:
         other_kind = variant.layer.get("kind", base["layer"]["kind"]) != base["layer"]["kind"]
         tree["layer"] = dict(variant.layer) if other_kind else {**base["layer"], **variant.layer}
         tree["train"] = {**base["train"], **variant.train}
-        try:
-            out.append((variant.name, recipe_from_dict(tree, source=f"{source} variants[{variant.name}]")))
-        except RecipeError as e:
-            raise RecipeError(str(e)) from None
+        out.append((variant.name, recipe_from_dict(tree, source=f"{source} variants[{variant.name}]")))
     return out
