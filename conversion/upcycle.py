@@ -62,6 +62,10 @@ def upcycle(recipe: Recipe, *, progress: bool = True, restart: bool = False, log
     messages."""
     say = log or (lambda message: None)
     main = _is_main_rank()
+    # The folder the command names is locked for the whole run (for variants: the folder holding them); a second
+    # `upcycle` on it, `--restart` included, is refused naming this process.
+    guard = RunFolder(recipe.output_dir, is_main_process=main)
+    guard.check_not_busy()
     if recipe.variants:
         runs = pending_variants(recipe, restart=restart, is_main_process=main, say=say)
         if not runs:
@@ -70,23 +74,19 @@ def upcycle(recipe: Recipe, *, progress: bool = True, restart: bool = False, log
                 write_variants_table(recipe.output_dir, [v.name for v in recipe.variants])
             return Path(recipe.output_dir)
     else:
-        folder = RunFolder(recipe.output_dir, is_main_process=main)
-        folder.check_claimable(recipe_to_dict(recipe), restart=restart)  # output_dir problems first: the cheapest
-        runs = [(recipe, folder)]
+        guard.check_claimable(recipe_to_dict(recipe), restart=restart)  # output_dir problems first: the cheapest
+        runs = [(recipe, guard)]
     plans = plan_variants([r for r, _ in runs], world_size=world_size())
     # data.activation_cache: a mismatch is refused now
     open_matching_cache(plans[0].recipe, plans[0].layer_ids, world_size=world_size())
     accelerator = make_accelerator(plans[0].device)
     folders = [folder for _, folder in runs]
-    for (run_recipe, folder) in runs:
-        folder.is_main_process = accelerator.is_main_process
-        if accelerator.is_main_process:
-            folder.claim(recipe_to_dict(run_recipe), restart=restart)
-    accelerator.wait_for_everyone()
-    for folder in folders:
-        if folder.is_resume:
-            say(f"resuming the unfinished run in {folder.root}")
     try:
+        claim(runs, guard, accelerator.is_main_process, restart=restart)
+        accelerator.wait_for_everyone()
+        for folder in folders:
+            if folder.is_resume:
+                say(f"resuming the unfinished run in {folder.root}")
         _run(plans, folders, accelerator, progress=progress, say=say)
     except KeyboardInterrupt as interrupt:
         if isinstance(interrupt, RunInterrupted):
@@ -95,11 +95,26 @@ def upcycle(recipe: Recipe, *, progress: bool = True, restart: bool = False, log
             f"interrupted outside training; the last checkpoint in {folders[0].checkpoint_dir} is kept. Run the same "
             "command again to resume"
         ) from None
+    finally:
+        for folder in (*folders, guard):
+            folder.unlock()
     if not recipe.variants:
         return folders[0].root
     if accelerator.is_main_process:
         write_variants_table(recipe.output_dir, [v.name for v in recipe.variants])
     return Path(recipe.output_dir)
+
+
+def claim(runs: list[tuple[Recipe, RunFolder]], guard: RunFolder, is_main_process: bool, *, restart: bool) -> None:
+    """Take the run folders (after every check has passed): lock the folder the command names (`guard`; with
+    variants, the folder holding them) and claim each run's folder (its own lock, the recipe's identity).
+    Main process only; the locks are held until `RunFolder.unlock` or the process ends."""
+    guard.is_main_process = is_main_process
+    guard.lock()
+    for run_recipe, folder in runs:
+        folder.is_main_process = is_main_process
+        if is_main_process:
+            folder.claim(recipe_to_dict(run_recipe), restart=restart)
 
 
 def pending_variants(
@@ -122,7 +137,7 @@ def pending_variants(
             if changed:
                 raise RunFolderTaken(
                     f"variant {name!r}: {folder.root} holds a finished run of a different recipe (differs at "
-                    f"{', '.join(changed)}); rename the variant, or delete {folder.root} if you no longer need it"
+                    f"{'; '.join(changed)}); rename the variant, or delete {folder.root} if you no longer need it"
                 )
             say(f"variant {name!r} is finished ({folder.root}); skipped")
             continue

@@ -189,7 +189,7 @@ def test_interrupted_capture_leaves_no_usable_cache(cache_run, monkeypatch):
     with pytest.raises(CacheError, match=r"holds no cache.json, so it is not a complete activation cache"):
         ActivationCache(killed)
     (target / "shard-00003.safetensors").write_bytes(b"truncated")
-    with pytest.raises(CacheError, match=r"shard .*shard-00003.safetensors is missing or truncated"):
+    with pytest.raises(CacheError, match=r"shard .*shard-00003.safetensors is damaged: 9 bytes where cache.json recorded"):
         ActivationCache(target)
     with pytest.raises(CacheError, match="already exists; a cache is never overwritten"):
         capture_activations(recipe_from_dict(tree), target)

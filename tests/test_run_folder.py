@@ -81,6 +81,8 @@ def test_checks_write_nothing_and_name_the_fix(tmp_path):
 def test_claim_resume_and_refuse_a_different_recipe(tmp_path):
     folder = RunFolder(tmp_path / "run")
     assert folder.claim(RECIPE) is False and folder.is_resume is False
+    assert _tree(tmp_path / "run") == [".expertize.lock", "checkpoint", "checkpoint/recipe.resolved.yaml"]
+    folder.unlock()  # the run ends (a kill releases it as well): the lock file goes
     assert _tree(tmp_path / "run") == ["checkpoint", "checkpoint/recipe.resolved.yaml"]
     (folder.train_state).write_bytes(b"state")
     (folder.root / ".final.abc").mkdir()  # a publish interrupted by a kill
@@ -88,11 +90,14 @@ def test_claim_resume_and_refuse_a_different_recipe(tmp_path):
     again = RunFolder(tmp_path / "run")
     assert again.check_claimable(RECIPE) is True
     assert again.claim(RECIPE) is True and again.is_resume
+    again.unlock()
     assert folder.train_state.read_bytes() == b"state" and not (folder.root / ".final.abc").exists()
 
     other = {**RECIPE, "train": {"lr": 1e-2, "seed": 0}, "layers": [1]}
-    with pytest.raises(RunFolderError, match=r"different recipe \(differs at layers, train.lr\); resume it by running "
-                                             r"the same recipe again, pass --restart to discard it") as err:
+    with pytest.raises(RunFolderError, match=r"different recipe \(differs at layers \(the folder's run: \[0\], this "
+                                             r"recipe: \[1\]\); train.lr \(the folder's run: 0.001, this recipe: "
+                                             r"0.01\)\). To resume it, run with the folder's recipe .* only if that "
+                                             r"run is no longer wanted, pass --restart") as err:
         RunFolder(tmp_path / "run").claim(other)
     assert isinstance(err.value, (ValueError, ExpertizeError))
     assert folder.train_state.is_file()  # refused: nothing discarded
@@ -104,6 +109,7 @@ def test_claim_resume_and_refuse_a_different_recipe(tmp_path):
     restarted = RunFolder(tmp_path / "run")
     assert restarted.check_claimable(other, restart=True) is False
     assert restarted.claim(other, restart=True) is False
+    restarted.unlock()
     assert _tree(folder.root) == ["checkpoint", "checkpoint/recipe.resolved.yaml", "notes.txt"]
     assert RunFolder(tmp_path / "run").check_claimable(other) is True
 
@@ -111,6 +117,7 @@ def test_claim_resume_and_refuse_a_different_recipe(tmp_path):
 def test_restart_discards_only_an_unfinished_runs_files(tmp_path):
     folder = RunFolder(tmp_path / "run")
     folder.claim(RECIPE)
+    folder.unlock()
     folder.train_state.write_bytes(b"s")
     folder.heal_state.write_bytes(b"h")
     folder.train_log.write_text("{}\n")
@@ -124,7 +131,9 @@ def test_restart_discards_only_an_unfinished_runs_files(tmp_path):
     folder.train_log.write_text("{}\n")
     with pytest.raises(RunFolderError, match=r"leftovers of an unfinished run \(train_log.jsonl\) .* pass --restart"):
         RunFolder(folder.root).check_claimable(RECIPE)
-    assert RunFolder(folder.root).claim(RECIPE, restart=True) is False
+    again = RunFolder(folder.root)
+    assert again.claim(RECIPE, restart=True) is False
+    again.unlock()
 
     folder.metrics_path.write_text("{}")
     with pytest.raises(RunFolderTaken, match="already holds a finished run .*--restart only discards unfinished"):
@@ -140,6 +149,7 @@ def test_restart_discards_only_an_unfinished_runs_files(tmp_path):
 def test_publish_moves_metrics_last_with_relative_plot_paths(tmp_path, monkeypatch):
     folder = RunFolder(tmp_path / "run")
     folder.claim(RECIPE)
+    folder.unlock()
     folder.train_state.write_bytes(b"s")
     moved = []
     original = Path.replace
@@ -173,6 +183,7 @@ def test_only_the_main_process_writes(tmp_path):
     main, other = RunFolder(tmp_path / "run"), RunFolder(tmp_path / "run", is_main_process=False)
     assert other.claim(RECIPE) is False and not (tmp_path / "run").exists()
     main.claim(RECIPE)
+    main.unlock()
     assert other.check_claimable(RECIPE) is True and other.claim(RECIPE) is True  # reads the main process's claim
     before = _tree(main.root)
     with other.staging() as stage:

@@ -120,7 +120,7 @@ def test_resume_refuses_a_different_recipe(tiny_run):
 
     save_recipe(first, out / "checkpoint" / "recipe.resolved.yaml")
     tree["train"]["lr"] = 1e-2
-    with pytest.raises(ValueError, match=r"different recipe \(differs at train.lr\)"):
+    with pytest.raises(ValueError, match=r"different recipe \(differs at train.lr \(the folder's run: "):
         upcycle(recipe_from_dict(tree), progress=False)
 
 

@@ -166,7 +166,7 @@ def test_a_diverging_variant_stops_alone_and_the_rerun_trains_only_it(variants_r
 
     monkeypatch.setattr(Trainer, "compute_loss", compute_loss)
     tree["variants"] = [VARIANTS[0], {**VARIANTS[1], "train": {"lr": 3e-3, "auxk_coef": 0.0}}, VARIANTS[2]]
-    with pytest.raises(ExpertizeError, match=r"unfinished run of a different recipe \(differs at train\.lr\)"):
+    with pytest.raises(ExpertizeError, match=r"unfinished run of a different recipe \(differs at train\.lr \("):
         upcycle(recipe_from_dict(tree), progress=False)
     messages = []
     before = _weights(sweep / "a")

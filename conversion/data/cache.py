@@ -20,6 +20,11 @@ shuffle chunk (`chunk_sequences`) is a multiple of `train.capture_batch_sequence
 the same; the quickstart and the tests), otherwise equal to float rounding of the base forward. A bfloat16 / float16
 cache of a float32 base is rounded once, at capture.
 
+Integrity: every shard's size is checked against cache.json when the cache is opened (before any work), and its
+sha256 the first time a run opens it (one sequential read, next to the reads training does anyway); a shard that
+fails either check is named (`CacheCorrupted`) instead of surfacing later as a diverged loss or, worse, as a run that
+trains on damaged pairs without a sign.
+
 Refusals, before any work: a folder without `cache.json` (an interrupted capture writes into a hidden staging
 folder renamed into place only when complete, so it never leaves one), and a manifest that does not match the
 recipe (another base model / revision / dtype, a missing layer, another data section or corpus, a smaller token
@@ -40,13 +45,14 @@ from typing import Any
 
 import torch
 
-from ..errors import ExpertizeError
+from ..errors import ExpertizeError, RunFailed
 from .activations import ActivationBatches, Batch, to_device
 from .capture import kept_positions
 from .text import resolve_paths, stream_sequences, token_budget_to_sequences
 
 __all__ = [
-    "CACHE_MANIFEST", "STORAGE_DTYPES", "ActivationCache", "CacheError", "CacheMismatch", "CachedActivationBatches",
+    "CACHE_MANIFEST", "STORAGE_DTYPES", "ActivationCache", "CacheCorrupted", "CacheError", "CacheMismatch",
+    "CachedActivationBatches",
     "cached_batches", "capture_activations", "open_matching_cache",
 ]
 
@@ -70,6 +76,11 @@ class CacheError(ExpertizeError):
 
 class CacheMismatch(CacheError):
     """The cache was captured for another base model, other layers or another data section than the recipe's."""
+
+
+class CacheCorrupted(CacheError, RunFailed):
+    """A shard's content no longer matches the sha256 cache.json recorded at capture (overwritten, damaged on disk or
+    in a copy). Found when a run first reads the shard, so it exits 1 (work had started) with its checkpoint kept."""
 
 
 def _shard_name(index: int) -> str:
@@ -165,6 +176,7 @@ def capture_activations(
 
     The base model runs in recipe.dtype on train.device under no_grad, train.capture_batch_sequences sequences per
     forward (as a live run). Shards of `shard_tokens` tokens (rounded up to whole sequences; default ~256 MiB)."""
+    from ..checks import check_output_location
     from ..preflight import plan_run
     from ..publishing.run_folder import write_json
     from ..surgery.splice import load_base_model
@@ -185,14 +197,18 @@ def capture_activations(
         )
     if not recipe.train.distill:
         raise CacheError("train.distill is false, so no run reads captured activations; nothing to capture")
+    if shard_tokens is not None and shard_tokens < 1:
+        raise CacheError(f"--shard-tokens must be 1 or more (tokens per shard file), got {shard_tokens}")
     plan = plan_run(recipe)  # the recipe's checks (base, layers, corpus budget), as `upcycle` makes them
     data, t = recipe.data, recipe.data.context_length
     wanted = token_budget_to_sequences(data.train_tokens, t)
-    base = load_base_model(recipe.base_model, dtype=getattr(torch, recipe.dtype)).to(plan.device).eval()
-    base.requires_grad_(False)
     storage = getattr(torch, dtype)
     d = plan.shape.d_model  # the MLP reads and writes the residual width
     bytes_per_token = len(plan.layer_ids) * 2 * d * storage.itemsize + 4  # x and y per layer, int32 token id
+    # The staging folder beside `output` receives every shard: writable, with room for them, before the base loads.
+    check_output_location(output, what="--output", need_bytes=bytes_per_token * wanted * t)
+    base = load_base_model(recipe.base_model, dtype=getattr(torch, recipe.dtype)).to(plan.device).eval()
+    base.requires_grad_(False)
     per_shard = (
         max(1, SHARD_BYTES // (bytes_per_token * t)) if shard_tokens is None else max(1, math.ceil(shard_tokens / t))
     )
@@ -273,9 +289,15 @@ class ActivationCache:
             )
         for shard in self.manifest["shards"]:
             path = self.folder / shard["file"]
-            if not path.is_file() or path.stat().st_size != shard["bytes"]:
-                raise CacheError(f"data.activation_cache: shard {path} is missing or truncated; delete the cache and "
-                                 f"{fix}")
+            if not path.is_file():
+                raise CacheError(f"data.activation_cache: shard {path} is missing; delete the cache and {fix}")
+            if path.stat().st_size != shard["bytes"]:
+                raise CacheError(
+                    f"data.activation_cache: shard {path} is damaged: {path.stat().st_size:,} bytes where cache.json "
+                    f"recorded {shard['bytes']:,} (truncated or overwritten); delete the cache and {fix}"
+                )
+        self._fix = fix
+        self._verified: set[int] = set()
         self.context_length = self.manifest["context_length"]
         self.layers = list(self.manifest["layers"])
         self.sequences = self.manifest["sequences"]
@@ -315,10 +337,27 @@ class ActivationCache:
                 "point data.activation_cache at it, or remove data.activation_cache to capture while training"
             )
 
+    def verify_shard(self, index: int) -> None:
+        """CacheCorrupted when shard `index`'s sha256 differs from cache.json's (checked once per shard)."""
+        if index in self._verified:
+            return
+        shard = self.manifest["shards"][index]
+        path = self.folder / shard["file"]
+        digest = _sha256(path)
+        if digest != shard["sha256"]:
+            raise CacheCorrupted(
+                f"data.activation_cache: shard {path} is damaged: its sha256 is {digest[:12]}..., cache.json "
+                f"recorded {shard['sha256'][:12]}... (same size: overwritten in place or corrupted on disk), so its "
+                f"activations cannot be trusted. Delete {self.folder} and {self._fix}; the run's checkpoint is "
+                "kept, so the same command then resumes"
+            )
+        self._verified.add(index)
+
     def _shard(self, index: int):
         if index not in self._open:
             from safetensors import safe_open
 
+            self.verify_shard(index)
             if len(self._open) >= 4:  # memory maps of the shards in use, not of the whole cache
                 self._open.pop(next(iter(self._open)))
             self._open[index] = safe_open(str(self.folder / self.manifest["shards"][index]["file"]), framework="pt")

@@ -1,8 +1,13 @@
 """The run folder of `expertize upcycle`: its file names, its lock/resume state, atomic writes and the final publish.
 
     OUTPUT_DIR/
+        .expertize.lock                   held (fcntl.flock) by the run that claimed the folder, until it ends: a
+                                          second run on the same folder is refused naming the holder's pid; the
+                                          kernel releases it when the process dies (a kill leaves no stale lock)
         checkpoint/recipe.resolved.yaml   the claim: written by `claim()` once every check has passed; a rerun of the
-                                          same recipe resumes, a different recipe is refused (or `--restart`)
+                                          same recipe resumes, a different recipe is refused (or `--restart`). It
+                                          holds the recipe's identity (`run_identity`): no output_dir, local paths
+                                          resolved, so how the folder or a file is spelled never decides a resume
         checkpoint/state.pt               distillation state (training/engine.py)
         checkpoint/heal.pt                healing state (training/heal.py)
         train_log.jsonl, heal_log.jsonl   one JSON line per logged step
@@ -20,8 +25,12 @@ do nothing (and never fail), and `staging()` hands out a private temporary folde
 """
 
 import contextlib
+import copy
+import errno
+import fcntl
 import math
 import os
+import time
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -35,8 +44,8 @@ from ..errors import ExpertizeError
 __all__ = [
     "CHECKPOINT", "HEAL_LOG", "HEAL_STATE", "LM_EVAL", "METRICS", "MODEL_CARD", "PLOTS", "PROVENANCE",
     "RESOLVED_RECIPE", "STAGING_PREFIX", "TRAIN_LOG", "TRAIN_STATE",
-    "RunFolder", "RunFolderError", "RunFolderTaken", "Staging", "strict_json", "write_json", "write_text",
-    "write_yaml",
+    "RunFolder", "RunFolderBusy", "RunFolderError", "RunFolderTaken", "Staging", "run_identity", "strict_json",
+    "write_json", "write_text", "write_yaml",
 ]
 
 METRICS = "metrics.json"
@@ -51,6 +60,7 @@ HEAL_STATE = "heal.pt"
 MODEL_CARD = "README.md"
 LM_EVAL = "lm_eval"
 STAGING_PREFIX = ".final."
+LOCK = ".expertize.lock"
 
 TRACKING = "tracking"
 """Experiment-tracker files (train.log_with: tensorboard event files, ...)."""
@@ -64,6 +74,10 @@ class RunFolderError(ExpertizeError, ValueError):
 
 class RunFolderTaken(ExpertizeError, FileExistsError):
     """The output folder holds a finished run or files that are not an expertize run; choose another output_dir."""
+
+
+class RunFolderBusy(RunFolderError):
+    """Another process holds the output folder's lock (a run of it is in progress); the message names its pid."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -129,13 +143,47 @@ def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
     return [] if a == b else [prefix.rstrip(".")]
 
 
+def _local_path(value: Any) -> Any:
+    """A path string made absolute and canonical (symlinks, `..`, a trailing slash, `~`); anything else unchanged."""
+    return os.path.realpath(os.path.expanduser(value)) if isinstance(value, str) and value else value
+
+
+def run_identity(resolved_recipe: dict) -> dict:
+    """What decides whether a folder's unfinished (or finished) run is the same run as `resolved_recipe`: the recipe
+    without `output_dir` (the folder names itself: `runs/a`, `runs/a/`, `/abs/runs/a` and `../runs/a` from a
+    subfolder are one folder) and with its local paths canonical (a base model folder, data.paths, the activation
+    cache), so a rerun spelled differently resumes instead of being refused. A Hub id stays as it is."""
+    tree = copy.deepcopy(dict(resolved_recipe))
+    tree.pop("output_dir", None)
+    base = tree.get("base_model")
+    if isinstance(base, str) and os.path.exists(os.path.expanduser(base)):
+        tree["base_model"] = _local_path(base)
+    data = tree.get("data")
+    if isinstance(data, dict):
+        if isinstance(data.get("paths"), list):
+            data["paths"] = [_local_path(p) for p in data["paths"]]
+        data["activation_cache"] = _local_path(data.get("activation_cache"))
+    return tree
+
+
+def _lookup(tree: Any, dotted: str) -> Any:
+    for key in dotted.split(".") if dotted else []:
+        tree = tree.get(key) if isinstance(tree, dict) else None
+    return tree
+
+
 def _recipe_differs(path: Path, resolved_recipe: dict) -> list[str]:
-    """The keys at which the recipe YAML at `path` differs from `resolved_recipe` (["<unreadable>"]: not a recipe)."""
+    """The keys at which the recipe YAML at `path` differs from `resolved_recipe` in `run_identity` (["<unreadable>"]:
+    not a recipe), each as `key (the folder's run: A, this recipe: B)`."""
     try:
         saved = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError):
         saved = None
-    return _diff_keys(saved, resolved_recipe) if isinstance(saved, dict) else ["<unreadable>"]
+    if not isinstance(saved, dict):
+        return ["<unreadable>"]
+    theirs, ours = run_identity(saved), run_identity(resolved_recipe)
+    return [f"{key} (the folder's run: {_lookup(theirs, key)!r}, this recipe: {_lookup(ours, key)!r})"
+            for key in _diff_keys(theirs, ours)]
 
 
 def _remove(path: Path) -> None:
@@ -197,6 +245,96 @@ class Staging:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# The folder lock
+
+
+def _lock_holder(path: Path) -> str:
+    """The pid recorded in a held lock file, as text ("unknown" when it cannot be read)."""
+    try:
+        return path.read_text(encoding="utf-8").strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _busy(root: Path, lock: Path) -> RunFolderBusy:
+    pid = _lock_holder(lock)
+    stop = f"stop it (kill {pid}) " if pid.isdigit() else "stop it "
+    return RunFolderBusy(
+        f"{root} is in use by another expertize run (pid {pid}, holding {lock.name}); two runs in one folder would "
+        f"mix their checkpoints and logs. Wait for it to finish or {stop}and run this command again (it resumes), "
+        "or choose another output_dir"
+    )
+
+
+class _FolderLock:
+    """An exclusive `fcntl.flock` on ROOT/.expertize.lock with the holder's pid written in it.
+
+    flock belongs to the open file: the kernel drops it when the process exits or is killed, so a lock is never
+    stale. The file is removed on release; a process that locked a file just unlinked by its previous holder
+    notices (the path no longer names its inode) and locks the new file instead."""
+
+    ATTEMPTS, PAUSE_S = 20, 0.05
+    """A checker (`is_held`) holds a shared lock for an instant: retry briefly before calling the folder busy."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.path, self.fd = root, root / LOCK, None
+
+    def is_held(self) -> bool:
+        """Whether another process holds the lock (takes and drops a shared lock; creates nothing)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):  # no lock; a file in the way is check_claimable's to report
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return True
+            raise
+        finally:
+            os.close(fd)  # also drops the shared lock
+        return False
+
+    def acquire(self) -> None:
+        """Take the lock (RunFolderBusy when another process holds it). Idempotent."""
+        if self.fd is not None:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        for attempt in range(self.ATTEMPTS):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise
+                if attempt + 1 == self.ATTEMPTS:
+                    raise _busy(self.root, self.path) from None
+                time.sleep(self.PAUSE_S)
+                continue
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # the previous holder removed the file between our open and our lock
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            self.fd = fd
+            return
+        raise _busy(self.root, self.path)
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            self.path.unlink()  # while still held: nobody can have locked this inode meanwhile
+        os.close(self.fd)
+        self.fd = None
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The run folder
 
 
@@ -208,6 +346,7 @@ class RunFolder:
         self.is_main_process = is_main_process
         self.is_resume = False
         """True once `claim` found an unfinished run of the same recipe (the run continues from its checkpoint)."""
+        self._lock = _FolderLock(self.root)
 
     # -- names -------------------------------------------------------------------------------------------------------
 
@@ -229,8 +368,26 @@ class RunFolder:
         return self.metrics_path.is_file()
 
     def finished_recipe_differs(self, resolved_recipe: dict) -> list[str]:
-        """The keys at which the finished run's recipe.resolved.yaml differs from `resolved_recipe` ([]: same)."""
+        """The keys at which the finished run's recipe.resolved.yaml differs from `resolved_recipe` in
+        `run_identity` ([]: the same run), each with both values."""
         return _recipe_differs(self.recipe_path, resolved_recipe)
+
+    # -- lock -------------------------------------------------------------------------------------------------------
+
+    def check_not_busy(self) -> None:
+        """RunFolderBusy when another process holds the folder's lock (a run of it is in progress). Main process
+        only (the other ranks of this run share the main process's folder)."""
+        if self.is_main_process and self._lock.fd is None and self._lock.is_held():
+            raise _busy(self.root, self._lock.path)
+
+    def lock(self) -> None:
+        """Hold the folder's lock until `unlock` or the process ends (RunFolderBusy when another run holds it);
+        `claim` takes it. Main process only."""
+        if self.is_main_process:
+            self._lock.acquire()
+
+    def unlock(self) -> None:
+        self._lock.release()
 
     # -- claim ------------------------------------------------------------------------------------------------------
 
@@ -254,6 +411,7 @@ class RunFolder:
             return not restart and self.claimed_recipe_path.is_file()
         if not out.exists():
             return False
+        self.check_not_busy()  # before anything else: a run in progress makes every other answer moot
         if self.is_finished:
             raise RunFolderTaken(
                 f"{out} already holds a finished run ({METRICS}); choose another output_dir, or delete {out} if you "
@@ -266,12 +424,13 @@ class RunFolder:
             changed = _recipe_differs(saved, resolved_recipe)
             if changed:
                 raise RunFolderError(
-                    f"{out} holds an unfinished run of a different recipe (differs at {', '.join(changed)}); resume "
-                    "it by running the same recipe again, pass --restart to discard it (its checkpoint and logs) "
-                    "and start this recipe, or choose another output_dir"
+                    f"{out} holds an unfinished run of a different recipe (differs at {'; '.join(changed)}). To "
+                    f"resume it, run with the folder's recipe ({saved}, or set those values back); to keep it and "
+                    "start this recipe, choose another output_dir; only if that run is no longer wanted, pass "
+                    "--restart (it deletes its checkpoint and logs)"
                 )
             return True
-        entries = sorted(p.name for p in out.iterdir())
+        entries = sorted(p.name for p in out.iterdir() if p.name != LOCK)
         foreign = [name for name in entries if name not in _UNFINISHED and not name.startswith(STAGING_PREFIX)]
         if foreign:
             shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
@@ -288,22 +447,29 @@ class RunFolder:
     def claim(self, resolved_recipe: dict, *, restart: bool = False) -> bool:
         """Take the folder for this run, after every other check has passed (a refused start leaves it untouched).
 
-        Re-checks (`check_claimable`), discards the unfinished run when `restart`, removes staging leftovers of an
-        interrupted publish, and records the resolved recipe (checkpoint/recipe.resolved.yaml) that a rerun must
-        match. Returns `is_resume`. On other processes than the main one it writes nothing; call it there after the
+        Re-checks (`check_claimable`), takes the folder's lock (held until `unlock` or the process ends; a second run
+        is refused naming this one's pid), discards the unfinished run when `restart`, removes staging leftovers of
+        an interrupted publish, and records the recipe's identity (checkpoint/recipe.resolved.yaml, `run_identity`)
+        that a rerun must match. Returns `is_resume`. On other processes than the main one it writes nothing; call it there after the
         main process's claim (e.g. after `accelerator.wait_for_everyone()`).
         """
         if not self.is_main_process:
             self.is_resume = not restart and self.claimed_recipe_path.is_file()
             return self.is_resume
-        self.is_resume = self.check_claimable(resolved_recipe, restart=restart)
-        if restart:
-            self.restart()
-        self.root.mkdir(parents=True, exist_ok=True)
-        for leftover in self.root.glob(f"{STAGING_PREFIX}*"):
-            _remove(leftover)
-        if not self.is_resume:
-            write_yaml(self.claimed_recipe_path, resolved_recipe)
+        self.check_claimable(resolved_recipe, restart=restart)  # a busy folder is refused before it is created
+        self.lock()
+        try:
+            # Checked again under the lock: another run may have claimed (or finished) the folder meanwhile.
+            self.is_resume = self.check_claimable(resolved_recipe, restart=restart)
+            if restart:
+                self.restart()
+            for leftover in self.root.glob(f"{STAGING_PREFIX}*"):
+                _remove(leftover)
+            if not self.is_resume:
+                write_yaml(self.claimed_recipe_path, run_identity(resolved_recipe))
+        except BaseException:
+            self.unlock()
+            raise
         return self.is_resume
 
     def restart(self) -> list[str]:
