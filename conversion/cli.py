@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 
+from .checks import at_least, int_list, non_negative_int, positive_float, positive_int
 from .errors import ExpertizeError
 
 
@@ -43,7 +44,14 @@ def _limit(text: str) -> int | float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of documents or a fraction, got {text!r}") from None
+    if not 0 < value < float("inf"):  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be above 0 (documents, or a fraction such as 0.1), got {text}")
     return int(value) if value >= 1 and value.is_integer() else value
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    """--layers 2,3: layer indices (0 or more)."""
+    return tuple(non_negative_int(p.strip()) for p in text.split(",") if p.strip())
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -68,6 +76,7 @@ def _eval(args: argparse.Namespace) -> int:
         update_card=not args.no_card,
         log=_stderr,
         verbose=args.verbose,
+        force=args.force,
     )
     print(comparison_markdown(comparison))
     from .publishing.run_folder import LM_EVAL
@@ -86,6 +95,11 @@ def _tasks(args: argparse.Namespace) -> int:
         return 0
     if not (args.text_file and args.name and args.output):
         raise ValueError("give TEXT_FILE, --name and --output (or --list to show the shipped tasks)")
+    from .checks import check_output_location
+
+    # The task files hold the documents about twice (the rolling texts and the cloze items) plus their YAML.
+    text_bytes = os.path.getsize(args.text_file) if os.path.isfile(args.text_file) else 0
+    check_output_location(args.output, what="--output", need_bytes=2 * text_bytes)
     names = write_tasks_from_text(
         args.text_file, args.output, args.name, separator=args.separator, unit=args.unit, n_choices=args.choices,
         seed=args.seed, max_docs=args.max_docs, overwrite=args.overwrite,
@@ -96,8 +110,10 @@ def _tasks(args: argparse.Namespace) -> int:
 
 
 def _plot_sweep(args: argparse.Namespace) -> int:
+    from .checks import check_output_location
     from .evaluation.sweep import plot_sweep
 
+    check_output_location(args.output, what="--output", file=True)  # its folders are created (as documented)
     path = plot_sweep(args.model_dirs, args.metric, args.output, x=args.x)
     print(f"expertize: wrote {path} and {path.with_suffix('.json')}")
     return 0
@@ -115,26 +131,30 @@ def _push(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from .checks import check_output_location, model_positions, resolve_device
     from .inspection import (
         InspectionError, InspectionSettings, export_delphi, format_prompt_view, inspect_folder, load_for_inspection,
-        parse_corpora, prompt_ids, prompt_view, token_texts,
+        parse_corpora, prompt_ids, prompt_view, report_bytes, token_texts,
     )
 
+    device = resolve_device(args.device, "--device")
     if args.prompt is not None:
-        model, tokenizer = load_for_inspection(args.model_dir, args.device)
-        print(format_prompt_view(prompt_view(model, prompt_ids(tokenizer, args.prompt), token_texts(tokenizer),
-                                             top=args.per_token)))
+        model, tokenizer = load_for_inspection(args.model_dir, device)
+        ids = prompt_ids(tokenizer, args.prompt, max_positions=model_positions(model.config), log=_stderr)
+        print(format_prompt_view(prompt_view(model, ids, token_texts(tokenizer), top=args.per_token)))
         return 0
     if not args.corpus or not args.output:
         raise InspectionError("give --corpus NAME=PATH (repeatable) and --output DIR, or --prompt TEXT")
-    layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
+    layers = tuple(args.layers) if args.layers else None
     settings = InspectionSettings(
         tokens=args.tokens, context_length=args.context_length, batch_size=args.batch_size, top_n=args.top_n,
         left=args.left, right=args.right, vocab_top=args.vocab_top, layers=layers,
         collect_locations=args.export == "delphi",
     )
+    corpora = parse_corpora(args.corpus)
+    check_output_location(args.output, what="--output", need_bytes=report_bytes(args.model_dir, settings))
     stats = inspect_folder(
-        args.model_dir, parse_corpora(args.corpus), settings, device=args.device,
+        args.model_dir, corpora, settings, device=device,
         progress=None if args.no_progress else _inspect_progress,
     )
     if not args.no_progress:
@@ -168,18 +188,22 @@ def _add_inspect(sub) -> None:
                      help="a named corpus (.txt: one document per line or blank-line blocks; .jsonl: a \"text\" "
                      "field); repeat for per-domain firing rates, e.g. --corpus code=code.txt "
                      "--corpus wiki=wiki.jsonl")
-    ins.add_argument("--tokens", type=int, default=100_000, help="tokens read from each corpus (default 100000)")
+    ins.add_argument("--tokens", type=positive_int, default=100_000,
+                     help="tokens read from each corpus (default 100000)")
     ins.add_argument("--output", help="folder for layer_<i>.json and index.html")
     ins.add_argument("--prompt", help="print the units firing on each token of this text instead")
-    ins.add_argument("--per-token", type=int, default=5, help="--prompt: units shown per token and layer (default 5)")
-    ins.add_argument("--layers", help="comma-separated sparse layer indices (default: all)")
-    ins.add_argument("--top-n", type=int, default=10, help="top activating contexts kept per unit (default 10)")
-    ins.add_argument("--left", type=int, default=12, help="context tokens before the peak (default 12)")
-    ins.add_argument("--right", type=int, default=4, help="context tokens after the peak (default 4)")
-    ins.add_argument("--vocab-top", type=int, default=10, help="promoted / suppressed tokens per unit (default 10)")
-    ins.add_argument("--context-length", type=int, default=128, help="tokens per sequence (default 128)")
-    ins.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
-    ins.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps (default cpu)")
+    ins.add_argument("--per-token", type=positive_int, default=5,
+                     help="--prompt: units shown per token and layer (default 5)")
+    ins.add_argument("--layers", type=_layer_list, help="comma-separated sparse layer indices (default: all)")
+    ins.add_argument("--top-n", type=positive_int, default=10, help="top activating contexts kept per unit (default 10)")
+    ins.add_argument("--left", type=non_negative_int, default=12, help="context tokens before the peak (default 12)")
+    ins.add_argument("--right", type=non_negative_int, default=4, help="context tokens after the peak (default 4)")
+    ins.add_argument("--vocab-top", type=positive_int, default=10,
+                     help="promoted / suppressed tokens per unit (default 10)")
+    ins.add_argument("--context-length", type=at_least(2, "tokens per sequence"), default=128,
+                     help="tokens per sequence, at most the model's positions (default 128)")
+    ins.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass (default 8)")
+    ins.add_argument("--device", default="cpu", help="auto, cpu, cuda, cuda:N, mps (default cpu)")
     ins.add_argument("--export", choices=["delphi"], help="also write a delphi latent cache to DIR/delphi_cache")
     ins.add_argument("--no-progress", action="store_true", help="no progress line")
     ins.set_defaults(func=_inspect)
@@ -188,20 +212,25 @@ def _add_inspect(sub) -> None:
 def _specialize(args: argparse.Namespace) -> int:
     import json
 
+    from .checks import check_output_location, resolve_device
     from .inspection import parse_corpora
     from .specialization import SpecializationSettings, specialize_folder
 
-    ks = tuple(int(k) for k in args.probe_k.split(",") if k.strip())
-    settings = SpecializationSettings(ratio=args.ratio, seed=args.seed, probe_ks=ks, probe_top=args.probe_top,
-                                      steer_scale=args.steer_scale, batch_size=args.batch_size)
+    settings = SpecializationSettings(ratio=args.ratio, seed=args.seed, probe_ks=args.probe_k,
+                                      probe_top=args.probe_top, steer_scale=args.steer_scale,
+                                      batch_size=args.batch_size)
     if not 0 < args.eval_fraction < 1:
         from .specialization import SpecializationError
 
         raise SpecializationError(f"--eval-fraction must be between 0 and 1, got {args.eval_fraction}; e.g. 0.3")
+    device = resolve_device(args.device, "--device")
+    corpora = parse_corpora(args.corpus)
+    if args.json:
+        check_output_location(args.json, what="--json", file=True)
     report = specialize_folder(
-        args.model_dir, parse_corpora(args.corpus), settings, layer=args.layer, fit_tokens=args.tokens,
+        args.model_dir, corpora, settings, layer=args.layer, fit_tokens=args.tokens,
         eval_tokens=args.eval_tokens, context_length=args.context_length, eval_fraction=args.eval_fraction,
-        base=args.base, device=args.device,
+        base=args.base, device=device,
     )
     print(report.format())
     if args.json:
@@ -226,17 +255,21 @@ def _add_specialize(sub) -> None:
     sp.add_argument("--layer", type=int, help="the sparse layer (default: the model's only one)")
     sp.add_argument("--base", help="the dense base model (folder or hub id) for the probing baseline on its MLP "
                     "neurons (default: no baseline)")
-    sp.add_argument("--tokens", type=int, default=32_768, help="fit tokens per domain (default 32768)")
-    sp.add_argument("--eval-tokens", type=int, default=8_192, help="held-out tokens per domain (default 8192)")
+    sp.add_argument("--tokens", type=at_least(2, "tokens"), default=32_768, help="fit tokens per domain (default 32768)")
+    sp.add_argument("--eval-tokens", type=at_least(2, "tokens"), default=8_192,
+                    help="held-out tokens per domain (default 8192)")
     sp.add_argument("--eval-fraction", type=float, default=0.3, help="documents held out (default 0.3)")
-    sp.add_argument("--context-length", type=int, default=128, help="tokens per context (default 128)")
-    sp.add_argument("--ratio", type=float, default=2.0, help="assignment ratio of Monet's rule (default 2)")
-    sp.add_argument("--probe-k", default="1,2,4,8,16", help="k of the k-sparse probes (default 1,2,4,8,16)")
-    sp.add_argument("--probe-top", type=int, default=100, help="units tried as 1-D probes per domain (default 100)")
+    sp.add_argument("--context-length", type=at_least(2, "tokens per context"), default=128,
+                    help="tokens per context, at most the model's positions (default 128)")
+    sp.add_argument("--ratio", type=positive_float, default=2.0, help="assignment ratio of Monet's rule (default 2)")
+    sp.add_argument("--probe-k", type=int_list, default=(1, 2, 4, 8, 16),
+                    help="k of the k-sparse probes (default 1,2,4,8,16)")
+    sp.add_argument("--probe-top", type=positive_int, default=100,
+                    help="units tried as 1-D probes per domain (default 100)")
     sp.add_argument("--steer-scale", type=float, default=4.0, help="λ in units of the unit's mean activation (4)")
     sp.add_argument("--seed", type=int, default=0, help="split, controls and probes seed (default 0)")
-    sp.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
-    sp.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, mps (default cpu)")
+    sp.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass (default 8)")
+    sp.add_argument("--device", default="cpu", help="auto, cpu, cuda, cuda:N, mps (default cpu)")
     sp.add_argument("--json", help="also write the full report as JSON to this file")
     sp.set_defaults(func=_specialize)
 
@@ -271,7 +304,8 @@ def _add_capture(sub) -> None:
     ca.add_argument("--output", help="the cache folder to create (default: the recipe's data.activation_cache)")
     ca.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                     help="stored precision (default: the base model's, the recipe's dtype)")
-    ca.add_argument("--shard-tokens", type=int, help="tokens per shard file (default: about 256 MiB per shard)")
+    ca.add_argument("--shard-tokens", type=positive_int,
+                    help="tokens per shard file (default: about 256 MiB per shard)")
     ca.add_argument("--no-progress", action="store_true", help="no progress lines (ours and the libraries')")
     ca.set_defaults(func=_capture)
 
@@ -291,9 +325,9 @@ def _add_eval(sub) -> None:
     base.add_argument("--base", help="base model (Hub id or folder); default: the one recorded in MODEL_DIR "
                       "(provenance.json, else recipe.resolved.yaml)")
     base.add_argument("--no-base", action="store_true", help="evaluate the model alone")
-    ev.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
+    ev.add_argument("--num-fewshot", type=non_negative_int, help="few-shot examples (default: each task's own)")
     ev.add_argument("--limit", type=_limit, help="documents per task, or a fraction < 1 (smoke tests only)")
-    ev.add_argument("--batch-size", type=int, default=8, help="requests per forward pass (default 8)")
+    ev.add_argument("--batch-size", type=positive_int, default=8, help="requests per forward pass (default 8)")
     ev.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ev.add_argument("--seed", type=int, help="one seed for the harness's python/numpy/torch/few-shot RNGs "
                     "(default: the harness's own seeds)")
@@ -303,6 +337,10 @@ def _add_eval(sub) -> None:
                     help="a folder of extra task YAMLs (repeatable), e.g. one written by `expertize tasks`")
     ev.add_argument("--no-card", action="store_true", help="leave MODEL_DIR's metrics.json and README.md as they are")
     ev.add_argument("--verbose", action="store_true", help="show the harness's log messages")
+    ev.add_argument("--force", action="store_true",
+                    help="compare with a base whose tokenizer differs from the model's (refused without it: such a "
+                    "base is not the model's base, and only tokenizer-free metrics such as bits per byte and "
+                    "accuracy compare across tokenizers)")
     ev.set_defaults(func=_eval)
 
 
@@ -321,9 +359,10 @@ def _add_tasks(sub) -> None:
                     help="documents: one per line, or blocks separated by blank lines (default: auto)")
     ta.add_argument("--unit", default="auto", choices=["auto", "sentence", "line"],
                     help="what a cloze item asks for: the next sentence, or the next line (default: auto)")
-    ta.add_argument("--choices", type=int, default=4, help="choices per cloze item (default 4)")
+    ta.add_argument("--choices", type=at_least(2, "the answer and a distractor"), default=4,
+                    help="choices per cloze item (default 4)")
     ta.add_argument("--seed", type=int, default=0)
-    ta.add_argument("--max-docs", type=int, help="use only the first N documents")
+    ta.add_argument("--max-docs", type=positive_int, help="use only the first N documents")
     ta.add_argument("--overwrite", action="store_true", help="replace tasks of the same name in --output")
     ta.add_argument("--list", action="store_true", help="list the offline tasks shipped with expertize")
     ta.set_defaults(func=_tasks)
@@ -345,7 +384,8 @@ def _add_plot_sweep(sub) -> None:
     ps.add_argument("model_dirs", nargs="+", help="folders written by `expertize upcycle`")
     ps.add_argument("--metric", required=True)
     ps.add_argument("--x", default="k", choices=["k", "active_parameters"], help="x axis (default k)")
-    ps.add_argument("--output", default="sweep.png", help="PNG path (the points go to the same name .json)")
+    ps.add_argument("--output", default="sweep.png",
+                    help="PNG path; missing folders are created (the points go to the same name .json)")
     ps.set_defaults(func=_plot_sweep)
 
 
@@ -401,6 +441,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import errno
+
+    from .checks import disk_full, no_space_message
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
@@ -411,6 +455,15 @@ def main(argv: list[str] | None = None) -> int:
     except (FileExistsError, FileNotFoundError, ValueError) as err:
         print(f"expertize {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:
+        if not (disk_full(err) or isinstance(err, PermissionError) or err.errno == errno.EROFS):
+            raise  # anything else is a bug in expertize: keep its traceback
+        # The up-front checks passed, so the disk filled (or a permission changed) while the command ran.
+        where = os.path.dirname(err.filename) if err.filename else "the output folder"
+        then = "rerun to resume" if args.command == "upcycle" else "run the command again"
+        message = no_space_message(where, then=then) if disk_full(err) else f"{err}; fix the permissions and {then}"
+        print(f"expertize {args.command}: error: {message}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         resume = " Run the same command again to resume from the last checkpoint." if args.command == "upcycle" else ""
         print(f"expertize {args.command}: interrupted.{resume}", file=sys.stderr)

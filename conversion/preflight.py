@@ -3,8 +3,9 @@
 A run that fails after claiming its folder locks it (the corrected command would be refused as "a different
 recipe") and a run that fails after training wastes the training. So every check that needs only configs, a
 tokenizer and the corpus runs here, first: the base model's config (not its weights), the layer indices and the
-sparse layer spec against the MLP's shape (K > N, sizes), the device, the memory the layers will need, the corpus
-(enough tokens for the budget, a non-empty held-out split, a working tokenizer) and the lm-eval task names.
+sparse layer spec against the MLP's shape (K > N, sizes), the context length against the base's positions, the
+device, the memory the layers will need, the output folder (writable, with room for the model and checkpoints), the
+corpus (enough tokens for the budget, a non-empty held-out split, a working tokenizer) and the lm-eval task names.
 
 The result, a `RunPlan`, holds what the later stages need so that nothing is resolved twice.
 """
@@ -20,6 +21,7 @@ import torch
 
 from expertize.modeling import MlpShape, SparseSpec
 
+from .checks import check_context_length, check_output_location
 from .errors import ExpertizeError
 from .harness.folder_eval import LmEvalPlan
 from .data.text import stream_sequences
@@ -168,6 +170,9 @@ def plan_variants(recipes: list[Recipe], *, world_size: int = 1) -> list[RunPlan
     """`plan_run` of the first recipe, then of each other variant what differs (its layer spec, checked against
     the same MLP shape), and the memory of all variants together. The variants share everything else (see
     recipe/variants.py), so the corpus is read and checked once."""
+    # A folder that cannot be written is the cheapest thing to find out: before the corpus is read. (Variants'
+    # folders, output_dir/NAME, all lie on the same disk.)
+    check_output_location(recipes[0].output_dir, what="output_dir")
     first = plan_run(recipes[0], world_size=world_size, check_layer_memory=len(recipes) == 1)
     plans = [first]
     for recipe in recipes[1:]:
@@ -178,7 +183,23 @@ def plan_variants(recipes: list[Recipe], *, world_size: int = 1) -> list[RunPlan
         plans.append(dataclasses.replace(first, recipe=recipe, spec=spec))
     if len(plans) > 1:
         check_memory([plan.spec for plan in plans], len(first.layer_ids), first.device)
+    check_output_location(recipes[0].output_dir, what="output_dir", need_bytes=output_bytes(plans))
     return plans
+
+
+def output_bytes(plans: list[RunPlan]) -> int:
+    """A lower bound of what a run writes into its output folder (so that a refusal is never a false alarm): per
+    model the sparse layers' weights and their checkpoint (weights and AdamW's two moments, fp32), and the base
+    model's weights, as large as its local weight files at the recipe's dtype at most."""
+    per_model = 0
+    first = plans[0]
+    base = Path(os.path.expanduser(first.recipe.base_model))
+    if base.is_dir():
+        on_disk = sum(f.stat().st_size for pattern in ("*.safetensors", "pytorch_model*.bin") for f in base.glob(pattern))
+        itemsize = getattr(torch, first.recipe.dtype).itemsize
+        per_model += on_disk * min(1.0, itemsize / 4)
+    layers = len(first.layer_ids)
+    return int(sum(per_model + plan.spec.num_parameters() * layers * (4 + 12) for plan in plans))
 
 
 def plan_run(recipe: Recipe, *, world_size: int = 1, check_layer_memory: bool = True) -> RunPlan:
@@ -193,6 +214,10 @@ def plan_run(recipe: Recipe, *, world_size: int = 1, check_layer_memory: bool = 
     layer_ids = resolve_layers(recipe, config.num_hidden_layers)
     spec = resolve_layer_spec(recipe.layer, shape)
     device = resolve_device(recipe.train.device)
+    model = f"base_model {recipe.base_model!r}"
+    check_context_length(recipe.data.context_length, config, setting="data.context_length", model=model)
+    generated = recipe.eval.prompt_tokens + recipe.eval.continuation_tokens  # the greedy-continuation match
+    check_context_length(generated, config, setting="eval.prompt_tokens + eval.continuation_tokens", model=model)
     if check_layer_memory:
         check_memory(spec, len(layer_ids), device)
 

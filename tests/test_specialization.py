@@ -204,6 +204,6 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
          "between 0 and 1"),
     ]
     for argv, message in cases:
-        assert main(["specialize", *argv]) == 2
+        assert main(["specialize", *argv, "--context-length", "16"]) == 2  # the model has 64 positions
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err, err

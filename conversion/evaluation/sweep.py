@@ -92,7 +92,7 @@ def sweep_points(folders: Sequence[str | os.PathLike], metric: str) -> list[Swee
 
     points = []
     for folder in folders:
-        config = check_model_folder(folder)
+        config = check_model_folder(folder, read_weights=False)  # the points need its records, not its weights
         specs = [spec_from_dict(spec) for spec in (config.get("sparse_layers") or {}).values()]
         if not specs:
             raise ValueError(f"{folder}: config.json lists no sparse_layers")

@@ -15,7 +15,7 @@
 
 from .corpora import InspectionError, corpus_sequences, parse_corpora
 from .export import export_delphi
-from .folder import inspect_folder, load_for_inspection, prompt_ids, token_texts
+from .folder import inspect_folder, load_for_inspection, prompt_ids, report_bytes, token_texts
 from .prompt import PromptView, format_prompt_view, prompt_view
 from .report import LAYER_SCHEMA, SchemaError, layer_report, validate, write_reports
 from .stats import InspectionSettings, InspectionStats, LayerStats, collect_stats
@@ -38,6 +38,7 @@ __all__ = [
     "parse_corpora",
     "prompt_ids",
     "prompt_view",
+    "report_bytes",
     "token_texts",
     "validate",
     "write_reports",

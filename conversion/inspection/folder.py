@@ -1,35 +1,40 @@
-"""Inspection from a model folder: check it, load it with its tokenizer, read the corpora, run the pass."""
+"""Inspection from a model folder: check it (config, weights, sparse kinds: publishing/model_folder.py), load it with
+its tokenizer, read the corpora, run the pass."""
 
 import functools
-import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 
+from ..checks import check_context_length, resolve_device
 from ..publishing.model_folder import check_model_folder
 from .corpora import InspectionError, corpus_sequences
 from .stats import InspectionSettings, InspectionStats, collect_stats
 
-__all__ = ["inspect_folder", "load_for_inspection", "token_texts"]
+__all__ = ["inspect_folder", "load_for_inspection", "report_bytes", "token_texts"]
+
+UNIT_JSON_BYTES = 150
+"""The smallest entry of a unit in layer_<i>.json (its keys and numbers, no contexts): report_bytes' lower bound."""
 
 
-def load_for_inspection(model_dir: str | os.PathLike, device: str = "cpu"):
+def load_for_inspection(model_dir: str | os.PathLike, device: "str | torch.device" = "cpu"):
     """(model, tokenizer) of an expertize model folder, in eval mode on `device`; clear errors for anything else."""
-    tokenizer = _checked_tokenizer(model_dir)
+    device = resolve_device(device, "--device")
+    _, tokenizer = checked_folder(model_dir)
     return _load_model(model_dir, device), tokenizer
 
 
-def _checked_tokenizer(model_dir: str | os.PathLike):
-    """The folder's tokenizer, after checking that the folder is an expertize model with sparse layers."""
+def checked_folder(model_dir: str | os.PathLike) -> tuple[dict, object]:
+    """(config.json as a dict, tokenizer) of a folder checked to be a whole expertize model with sparse layers."""
     from transformers import AutoTokenizer
 
-    config = check_model_folder(model_dir)  # ModelFolderError (an ExpertizeError) naming what is missing
+    config = check_model_folder(model_dir)  # ModelFolderError (an ExpertizeError) naming what is missing or damaged
     if not config.get("sparse_layers"):
         raise InspectionError(f"{model_dir} has no sparse layers in its config.json; there is nothing to inspect")
     try:
-        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)  # as `expertize eval`
+        return config, AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)  # as `expertize eval`
     except (OSError, ValueError) as e:
         raise InspectionError(
             f"{model_dir} has no loadable tokenizer ({e}); save the tokenizer next to the model "
@@ -37,10 +42,24 @@ def _checked_tokenizer(model_dir: str | os.PathLike):
         ) from None
 
 
-def _load_model(model_dir: str | os.PathLike, device: str):
+def _load_model(model_dir: str | os.PathLike, device: "str | torch.device"):
     from ..surgery.splice import load_expertize_model
 
     return load_expertize_model(model_dir).to(device).eval()
+
+
+def report_bytes(model_dir: str | os.PathLike, settings: InspectionSettings) -> int:
+    """A lower bound of what `InspectionStats.write` writes (so that a refusal for lack of space is never a false
+    alarm): every unit of every inspected layer listed in layer_<i>.json and again in index.html."""
+    from expertize.modeling.sparse_layers import spec_from_dict
+
+    config, _ = checked_folder(model_dir)
+    units = 0
+    for index, spec in config["sparse_layers"].items():
+        if settings.layers is None or int(index) in settings.layers:
+            spec = spec_from_dict(spec)
+            units += int(getattr(spec, spec.units_field))  # a lower bound: MoE-X lists experts x their units
+    return 2 * units * UNIT_JSON_BYTES
 
 
 def token_texts(tokenizer) -> Callable[[int], str]:
@@ -59,7 +78,7 @@ def inspect_folder(
     model_dir: str | os.PathLike,
     corpora: Mapping[str, str],
     settings: InspectionSettings | None = None,
-    device: str = "cpu",
+    device: "str | torch.device" = "cpu",
     progress: Callable[[int, int], None] | None = None,
 ) -> InspectionStats:
     """Load an expertize model folder and measure its sparse layers over the named corpora {name: path}."""
@@ -67,13 +86,9 @@ def inspect_folder(
     if not corpora:
         raise InspectionError("give at least one corpus: --corpus NAME=PATH (a .txt or .jsonl file)")
     # Everything that can be refused is checked before the weights are loaded.
-    tokenizer = _checked_tokenizer(model_dir)
-    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    max_positions = config.get("max_position_embeddings") or config.get("n_positions")
-    if max_positions and settings.context_length > max_positions:
-        raise InspectionError(
-            f"--context-length {settings.context_length} exceeds the model's {max_positions} positions; lower it"
-        )
+    device = resolve_device(device, "--device")
+    config, tokenizer = checked_folder(model_dir)
+    check_context_length(settings.context_length, config, setting="--context-length", model=str(model_dir))
     layers = sorted(int(i) for i in config["sparse_layers"])
     if settings.layers is not None:
         missing = sorted(set(settings.layers) - set(layers))
@@ -89,11 +104,19 @@ def inspect_folder(
     )
 
 
-def prompt_ids(tokenizer, prompt: str) -> torch.LongTensor:
-    """(1, T) ids of a prompt, with BOS when the tokenizer has one (as packed training sequences start)."""
+def prompt_ids(
+    tokenizer, prompt: str, max_positions: int | None = None, log: Callable[[str], None] | None = None
+) -> torch.LongTensor:
+    """(1, T) ids of a prompt, with BOS when the tokenizer has one (as packed training sequences start); cut to the
+    model's `max_positions` (its position embedding has no row beyond them), saying so through `log`."""
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     if tokenizer.bos_token_id is not None:
         ids = [tokenizer.bos_token_id] + ids
     if not ids:
         raise InspectionError("--prompt gives no tokens; give some text")
+    if max_positions is not None and len(ids) > max_positions:
+        if log is not None:
+            log(f"note: the prompt has {len(ids):,} tokens but the model reads at most {max_positions:,} positions; "
+                f"showing the first {max_positions:,} (give the rest as a prompt of its own to see it)")
+        ids = ids[:max_positions]
     return torch.tensor([ids])

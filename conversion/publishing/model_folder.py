@@ -21,6 +21,9 @@ from typing import Any
 import yaml
 from huggingface_hub import ModelCard
 
+from expertize.modeling.sparse_layers import spec_from_dict
+
+from ..checks import check_weight_file
 from ..errors import ExpertizeError
 from .card import render_model_card, write_model_card
 from .local_paths import public_base_model
@@ -62,11 +65,13 @@ def weight_files(model_dir: Path) -> list[Path]:
     return []
 
 
-def check_model_folder(model_dir: str | os.PathLike) -> dict[str, Any]:
+def check_model_folder(model_dir: str | os.PathLike, *, read_weights: bool = True) -> dict[str, Any]:
     """The folder's config.json as a dict, after checking that the folder is a loadable expertize model.
 
     Checks: config.json with an expertize model_type and an auto_map whose files are present (the remote code that
-    `trust_remote_code=True` runs), and safetensors weights (every shard of a sharded checkpoint).
+    `trust_remote_code=True` runs), safetensors weights (every shard of a sharded checkpoint) whose headers read and
+    whose sizes match them (checks.check_weight_file; `read_weights=False` leaves them out, for readers of the records
+    alone), and sparse layers of kinds this version knows.
     """
     path = Path(model_dir)
     if not path.is_dir():
@@ -105,6 +110,16 @@ def check_model_folder(model_dir: str | os.PathLike) -> dict[str, Any]:
     absent = [w.name for w in weights if not w.is_file()]
     if absent:
         raise ModelFolderError(f"{path} lacks weight shard(s) {', '.join(absent)} listed in its index")
+    for weight in weights if read_weights else ():
+        check_weight_file(weight)  # a truncated download or copy is named as damaged, before anything loads it
+    for index, spec in (config.get("sparse_layers") or {}).items():
+        try:
+            spec_from_dict(spec)
+        except (ValueError, TypeError) as e:
+            raise ModelFolderError(
+                f"{config_file}: sparse layer {index}: {e}; the folder was written by a newer expertize (upgrade it: "
+                "pip install -U expertize) or its config.json was edited"
+            ) from None
     return config
 
 

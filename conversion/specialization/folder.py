@@ -31,11 +31,12 @@ def split_corpora(
 def specialize_folder(
     model_dir: str | os.PathLike, corpora: Mapping[str, str], settings: SpecializationSettings | None = None, *,
     layer: int | None = None, fit_tokens: int = 32_768, eval_tokens: int = 8_192, context_length: int = 128,
-    eval_fraction: float = 0.3, base: str | os.PathLike | None = None, device: str = "cpu",
+    eval_fraction: float = 0.3, base: str | os.PathLike | None = None, device: "str | torch.device" = "cpu",
 ) -> SpecializationReport:
     """Load an expertize model folder (and the dense `base` model for the probing baseline, when given) and measure
     how its sparse layer specializes over the named corpora {domain: path}."""
-    from ..inspection.folder import _checked_tokenizer, _load_model
+    from ..checks import check_context_length, resolve_device
+    from ..inspection.folder import _load_model, checked_folder
     from ..surgery.splice import load_base_model
 
     settings = settings or SpecializationSettings()
@@ -43,7 +44,9 @@ def specialize_folder(
     for name, value in sizes:
         if value < 2:
             raise SpecializationError(f"{name} must be at least 2, got {value}")
-    tokenizer = _checked_tokenizer(model_dir)
+    device = resolve_device(device, "--device")
+    config, tokenizer = checked_folder(model_dir)
+    check_context_length(context_length, config, setting="--context-length", model=str(model_dir))
     fit, held = split_corpora(corpora, tokenizer, fit_tokens, eval_tokens, context_length, eval_fraction,
                               settings.seed)
     model = _load_model(model_dir, device)

@@ -1,4 +1,6 @@
-"""`train.device`: which device a run uses, refused up front when the machine does not have it.
+"""`train.device` and every command's `--device`: which device to use, refused up front when the machine (or this
+launch) does not have it. One resolver for every command, so a device is named, checked and refused the same way
+everywhere (`expertize upcycle`, `capture`, `eval`, `inspect`, `specialize`):
 
     auto     cuda if available, else mps if available, else cpu
     cpu      the CPU
@@ -38,13 +40,16 @@ def available_devices() -> str:
     return ", ".join(found)
 
 
-def resolve_device(name: str) -> torch.device:
-    """The `torch.device` for a `train.device` value; ExpertizeError (naming what is available and the fix) when this
-    machine or this launch cannot provide it."""
+def resolve_device(name: "str | torch.device", setting: str = "train.device") -> torch.device:
+    """The `torch.device` for a device name; ExpertizeError (naming what is available and the fix) when this machine
+    or this launch cannot provide it. `setting` is what the user wrote it in: a recipe key ("train.device") or a
+    command-line flag ("--device"); messages name it and the fix in the same form."""
+    if isinstance(name, torch.device):
+        name = str(name)
     text = str(name).strip().lower()
     match = re.fullmatch(r"(auto|cpu|cuda|mps)(?::(\d+))?", text)
     if not match or (match[2] is not None and match[1] != "cuda"):
-        raise ExpertizeError(f"train.device={name!r} is not a device; use one of {CHOICES}")
+        raise ExpertizeError(f"{_named(setting, name)} is not a device; use one of {CHOICES}")
     kind, index = match[1], None if match[2] is None else int(match[2])
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "mps" if _mps_available() else "cpu"
@@ -52,27 +57,27 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cpu")
     if kind == "mps":
         if not _mps_available():
-            raise _unavailable(name, "this machine has no usable Apple MPS device")
+            raise _unavailable(name, setting, "this machine has no usable Apple MPS device")
         if world_size() > 1:
             raise ExpertizeError(
-                f"train.device={name!r}: MPS runs a single process, but this launch has {world_size()}; run without "
-                "torchrun / accelerate launch, or use --set train.device=cpu"
+                f"{_named(setting, name)}: MPS runs a single process, but this launch has {world_size()}; run "
+                f"without torchrun / accelerate launch, or use {_use(setting, 'cpu')}"
             )
         return torch.device("mps")
     if not torch.cuda.is_available():
-        raise _unavailable(name, "this machine has no usable CUDA GPU (torch.cuda.is_available() is False)")
+        raise _unavailable(name, setting, "this machine has no usable CUDA GPU (torch.cuda.is_available() is False)")
     count = torch.cuda.device_count()
     if world_size() > 1:
         if index is not None:
             raise ExpertizeError(
-                f"train.device={name!r} names one GPU, but this launch has {world_size()} processes and each uses its "
-                "own local GPU; use --set train.device=cuda (or auto), and choose GPUs with CUDA_VISIBLE_DEVICES"
+                f"{_named(setting, name)} names one GPU, but this launch has {world_size()} processes and each uses "
+                f"its own local GPU; use {_use(setting, 'cuda')} (or auto), and choose GPUs with CUDA_VISIBLE_DEVICES"
             )
         return torch.device("cuda", local_rank() % count)
     if index is None:
         return torch.device("cuda", torch.cuda.current_device())
     if index >= count:
-        raise _unavailable(name, f"this machine has {count} visible GPU{'s' if count != 1 else ''}")
+        raise _unavailable(name, setting, f"this machine has {count} visible GPU{'s' if count != 1 else ''}")
     return torch.device("cuda", index)
 
 
@@ -108,10 +113,20 @@ def make_accelerator(device: torch.device):
     return accelerator
 
 
-def _unavailable(name: str, why: str) -> ExpertizeError:
+def _named(setting: str, name: object) -> str:
+    """How the value reads where the user wrote it: `train.device='gpu0'` (a recipe key), `--device 'gpu0'` (a flag)."""
+    return f"{setting} {str(name)!r}" if setting.startswith("-") else f"{setting}={str(name)!r}"
+
+
+def _use(setting: str, value: str) -> str:
+    """The corrected setting, in the form the user gives it: `--device cpu`, or `--set train.device=cpu`."""
+    return f"{setting} {value}" if setting.startswith("-") else f"--set {setting}={value}"
+
+
+def _unavailable(name: object, setting: str, why: str) -> ExpertizeError:
     return ExpertizeError(
-        f"train.device={name!r} is not available: {why}; this machine offers {available_devices()}. Use "
-        "--set train.device=auto (or cpu) to run on what is here"
+        f"{_named(setting, name)} is not available: {why}; this machine offers {available_devices()}. Use "
+        f"{_use(setting, 'auto')} (or cpu) to run on what is here"
     )
 
 

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checks import NoSpaceLeft, disk_full, no_space_message
 from .errors import RunInterrupted, TrainingDiverged
 from .log import JsonlLog, truncate_log  # noqa: F401  (truncate_log: re-exported for callers of the old module)
 from .tracking import Tracking, tracking_dir
@@ -235,7 +237,26 @@ class Engine:
             "extra": self.extra_state(),
         }
         tmp = self.checkpoint_path.with_name(self.checkpoint_path.name + ".tmp")
-        torch.save(state, tmp)
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())  # a full disk can surface only here
+        except (OSError, RuntimeError) as e:
+            tmp.unlink(missing_ok=True)
+            # torch's zip writer turns a full disk into "RuntimeError: [enforce fail ...] unexpected pos": recognized
+            # by the space it leaves, which is less than the checkpoint needs.
+            if not (disk_full(e) or shutil.disk_usage(tmp.parent).free < _state_bytes(state)):
+                raise
+            kept = (
+                f"the checkpoint of step {self.saved_step} ({self.checkpoint_path}) is kept"
+                if self.saved_step is not None
+                else "no checkpoint was written yet (a rerun starts this stage over)"
+            )
+            raise NoSpaceLeft(
+                f"{self.name}: writing the checkpoint of step {self.step} failed: "
+                f"{no_space_message(self.checkpoint_path.parent, _state_bytes(state), 'rerun to resume')}; {kept}"
+            ) from None
         os.replace(tmp, self.checkpoint_path)  # the previous checkpoint stays whole until this line
 
     def load_checkpoint(self) -> bool:
@@ -395,7 +416,7 @@ class Engine:
                 self._require_finite()
                 self._write_checkpoint()
                 self.saved_step, saved_now = self.step, True
-            except (TrainingDiverged, KeyboardInterrupt):
+            except (TrainingDiverged, NoSpaceLeft, KeyboardInterrupt):
                 pass  # keep the last good checkpoint; a second Ctrl-C means "stop now"
         where = f"{self.name} interrupted at step {self.step} of {self.total_steps}"
         if saved_now:
@@ -418,6 +439,17 @@ class Engine:
 
 
 # -- RNG state --------------------------------------------------------------------------------------------------------
+
+
+def _state_bytes(state: Any) -> int:
+    """Bytes of the tensors in a (nested) checkpoint state: what its file needs, give or take the pickle."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_bytes(v) for v in state)
+    return 0
 
 
 def rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
