@@ -26,11 +26,8 @@ do nothing (and never fail), and `staging()` hands out a private temporary folde
 
 import contextlib
 import copy
-import errno
-import fcntl
 import math
 import os
-import time
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -40,6 +37,7 @@ from typing import Any
 import yaml
 
 from ..errors import ExpertizeError
+from .folder_lock import LOCK, FolderLock, RunFolderBusy, busy
 
 __all__ = [
     "CHECKPOINT", "HEAL_LOG", "HEAL_STATE", "LM_EVAL", "METRICS", "MODEL_CARD", "PLOTS", "PROVENANCE",
@@ -60,7 +58,6 @@ HEAL_STATE = "heal.pt"
 MODEL_CARD = "README.md"
 LM_EVAL = "lm_eval"
 STAGING_PREFIX = ".final."
-LOCK = ".expertize.lock"
 
 TRACKING = "tracking"
 """Experiment-tracker files (train.log_with: tensorboard event files, ...)."""
@@ -76,8 +73,6 @@ class RunFolderTaken(ExpertizeError, FileExistsError):
     """The output folder holds a finished run or files that are not an expertize run; choose another output_dir."""
 
 
-class RunFolderBusy(RunFolderError):
-    """Another process holds the output folder's lock (a run of it is in progress); the message names its pid."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -245,96 +240,6 @@ class Staging:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The folder lock
-
-
-def _lock_holder(path: Path) -> str:
-    """The pid recorded in a held lock file, as text ("unknown" when it cannot be read)."""
-    try:
-        return path.read_text(encoding="utf-8").strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
-def _busy(root: Path, lock: Path) -> RunFolderBusy:
-    pid = _lock_holder(lock)
-    stop = f"stop it (kill {pid}) " if pid.isdigit() else "stop it "
-    return RunFolderBusy(
-        f"{root} is in use by another expertize run (pid {pid}, holding {lock.name}); two runs in one folder would "
-        f"mix their checkpoints and logs. Wait for it to finish or {stop}and run this command again (it resumes), "
-        "or choose another output_dir"
-    )
-
-
-class _FolderLock:
-    """An exclusive `fcntl.flock` on ROOT/.expertize.lock with the holder's pid written in it.
-
-    flock belongs to the open file: the kernel drops it when the process exits or is killed, so a lock is never
-    stale. The file is removed on release; a process that locked a file just unlinked by its previous holder
-    notices (the path no longer names its inode) and locks the new file instead."""
-
-    ATTEMPTS, PAUSE_S = 20, 0.05
-    """A checker (`is_held`) holds a shared lock for an instant: retry briefly before calling the folder busy."""
-
-    def __init__(self, root: Path) -> None:
-        self.root, self.path, self.fd = root, root / LOCK, None
-
-    def is_held(self) -> bool:
-        """Whether another process holds the lock (takes and drops a shared lock; creates nothing)."""
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError):  # no lock; a file in the way is check_claimable's to report
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return True
-            raise
-        finally:
-            os.close(fd)  # also drops the shared lock
-        return False
-
-    def acquire(self) -> None:
-        """Take the lock (RunFolderBusy when another process holds it). Idempotent."""
-        if self.fd is not None:
-            return
-        self.root.mkdir(parents=True, exist_ok=True)
-        for attempt in range(self.ATTEMPTS):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                os.close(fd)
-                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise
-                if attempt + 1 == self.ATTEMPTS:
-                    raise _busy(self.root, self.path) from None
-                time.sleep(self.PAUSE_S)
-                continue
-            try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
-            except FileNotFoundError:
-                same = False
-            if not same:  # the previous holder removed the file between our open and our lock
-                os.close(fd)
-                continue
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())
-            self.fd = fd
-            return
-        raise _busy(self.root, self.path)
-
-    def release(self) -> None:
-        if self.fd is None:
-            return
-        with contextlib.suppress(OSError):
-            self.path.unlink()  # while still held: nobody can have locked this inode meanwhile
-        os.close(self.fd)
-        self.fd = None
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # The run folder
 
 
@@ -346,7 +251,7 @@ class RunFolder:
         self.is_main_process = is_main_process
         self.is_resume = False
         """True once `claim` found an unfinished run of the same recipe (the run continues from its checkpoint)."""
-        self._lock = _FolderLock(self.root)
+        self._lock = FolderLock(self.root)
 
     # -- names -------------------------------------------------------------------------------------------------------
 
@@ -378,7 +283,7 @@ class RunFolder:
         """RunFolderBusy when another process holds the folder's lock (a run of it is in progress). Main process
         only (the other ranks of this run share the main process's folder)."""
         if self.is_main_process and self._lock.fd is None and self._lock.is_held():
-            raise _busy(self.root, self._lock.path)
+            raise busy(self.root, self._lock.path)
 
     def lock(self) -> None:
         """Hold the folder's lock until `unlock` or the process ends (RunFolderBusy when another run holds it);
