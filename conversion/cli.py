@@ -195,7 +195,8 @@ def _add_inspect(sub) -> None:
     ins.add_argument("--per-token", type=positive_int, default=5,
                      help="--prompt: units shown per token and layer (default 5)")
     ins.add_argument("--layers", type=_layer_list, help="comma-separated sparse layer indices (default: all)")
-    ins.add_argument("--top-n", type=positive_int, default=10, help="top activating contexts kept per unit (default 10)")
+    ins.add_argument("--top-n", type=positive_int, default=10,
+                     help="top activating contexts kept per unit (default 10)")
     ins.add_argument("--left", type=non_negative_int, default=12, help="context tokens before the peak (default 12)")
     ins.add_argument("--right", type=non_negative_int, default=4, help="context tokens after the peak (default 4)")
     ins.add_argument("--vocab-top", type=positive_int, default=10,
@@ -255,7 +256,8 @@ def _add_specialize(sub) -> None:
     sp.add_argument("--layer", type=int, help="the sparse layer (default: the model's only one)")
     sp.add_argument("--base", help="the dense base model (folder or hub id) for the probing baseline on its MLP "
                     "neurons (default: no baseline)")
-    sp.add_argument("--tokens", type=at_least(2, "tokens"), default=32_768, help="fit tokens per domain (default 32768)")
+    sp.add_argument("--tokens", type=at_least(2, "tokens"), default=32_768,
+                    help="fit tokens per domain (default 32768)")
     sp.add_argument("--eval-tokens", type=at_least(2, "tokens"), default=8_192,
                     help="held-out tokens per domain (default 8192)")
     sp.add_argument("--eval-fraction", type=float, default=0.3, help="documents held out (default 0.3)")

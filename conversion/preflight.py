@@ -195,7 +195,8 @@ def output_bytes(plans: list[RunPlan]) -> int:
     first = plans[0]
     base = Path(os.path.expanduser(first.recipe.base_model))
     if base.is_dir():
-        on_disk = sum(f.stat().st_size for pattern in ("*.safetensors", "pytorch_model*.bin") for f in base.glob(pattern))
+        files = [f for pattern in ("*.safetensors", "pytorch_model*.bin") for f in base.glob(pattern)]
+        on_disk = sum(f.stat().st_size for f in files)
         itemsize = getattr(torch, first.recipe.dtype).itemsize
         per_model += on_disk * min(1.0, itemsize / 4)
     layers = len(first.layer_ids)

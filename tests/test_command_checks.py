@@ -198,6 +198,20 @@ def test_a_checkpoint_write_that_runs_out_of_space_keeps_the_last_checkpoint(tin
     assert (Path(tree["output_dir"]) / "metrics.json").is_file()
 
 
+def test_any_write_that_finds_the_disk_full_after_the_checks_exits_1_in_one_line(folder, tmp_path, capsys,
+                                                                                 monkeypatch):
+    from expertize.conversion.harness import offline_tasks
+
+    out = tmp_path / "tasks"
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / "mine_ppl.yaml"))
+
+    monkeypatch.setattr(offline_tasks, "write_tasks_from_text", full)
+    _refused(capsys, ["tasks", folder.parent / "a.txt", "--name", "mine", "--output", out],
+             f"no space left on {out}: free some space and run the command again", code=1)
+
+
 # -- counts and windows -----------------------------------------------------------------------------------------------
 
 

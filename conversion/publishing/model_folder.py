@@ -83,6 +83,8 @@ def check_model_folder(model_dir: str | os.PathLike, *, read_weights: bool = Tru
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ModelFolderError(f"{config_file} is not valid JSON ({e}); re-save the model") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelFolderError(f"{config_file} cannot be read ({e}); check its permissions") from None
     model_type = str(config.get("model_type", ""))
     if not model_type.startswith(EXPERTIZE_PREFIX):
         raise ModelFolderError(

@@ -21,6 +21,10 @@ What a variant may change is what does not change the activation stream: the spa
 its own parameters. Everything that decides which tokens arrive at which step (data, train.tokens_per_step,
 train.seed, the shuffle) and what is shared (base model, layers, heal, eval, devices, checkpoint cadence) is the
 recipe's.
+
+An empty list (`variants: []`) means one model, as if the key were absent, and is not refused: `--set variants=[]` is
+how a sweep recipe trains its own `layer:` section alone, and a resolved one-model recipe leaves the key out
+(`recipe_to_dict`).
 """
 
 import dataclasses

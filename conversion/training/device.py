@@ -114,7 +114,7 @@ def make_accelerator(device: torch.device):
 
 
 def _named(setting: str, name: object) -> str:
-    """How the value reads where the user wrote it: `train.device='gpu0'` (a recipe key), `--device 'gpu0'` (a flag)."""
+    """The value as the user wrote it: `train.device='gpu0'` (a recipe key), `--device 'gpu0'` (a flag)."""
     return f"{setting} {str(name)!r}" if setting.startswith("-") else f"{setting}={str(name)!r}"
 
 
