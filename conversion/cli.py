@@ -100,9 +100,16 @@ def _tasks(args: argparse.Namespace) -> int:
     # The task files hold the documents about twice (the rolling texts and the cloze items) plus their YAML.
     text_bytes = os.path.getsize(args.text_file) if os.path.isfile(args.text_file) else 0
     check_output_location(args.output, what="--output", need_bytes=2 * text_bytes)
+    from .harness.offline_tasks import model_token_limit
+
+    count, limit = model_token_limit(args.model) if args.model else (None, None)
+    if args.model is None and args.max_tokens is None:
+        _stderr("tasks: the cloze items are not fitted to a model's context; for a model with a short context "
+                "(the quickstart's 128 positions) pass --model MODEL_DIR or --max-tokens N")
     names = write_tasks_from_text(
         args.text_file, args.output, args.name, separator=args.separator, unit=args.unit, n_choices=args.choices,
-        seed=args.seed, max_docs=args.max_docs, overwrite=args.overwrite,
+        seed=args.seed, max_docs=args.max_docs, overwrite=args.overwrite, max_tokens=args.max_tokens or limit,
+        count_tokens=count, show_progress=not args.no_progress,
     )
     print(f"wrote tasks {', '.join(names)} to {args.output}; run them with\n"
           f"  expertize eval MODEL_DIR --tasks {','.join(names)} --include-path {args.output}")
@@ -124,9 +131,15 @@ def _push(args: argparse.Namespace) -> int:
 
     url = push_model(
         args.model_dir, args.repo_id, private=args.private, revision=args.revision, token=args.token,
-        include_samples=args.include_samples,
+        include_samples=args.include_samples, include_reports=args.include_reports,
     )
     print(f"expertize: pushed {args.model_dir} to {url}")
+    from .publishing.push import left_out_reports
+
+    reports = {} if args.include_reports else left_out_reports(args.model_dir)
+    if reports:
+        shown = ", ".join(f"{name}/ ({size / 2**20:.1f} MiB)" for name, size in sorted(reports.items()))
+        _stderr(f"not uploaded (reports, not the model): {shown}; --include-reports uploads them")
     return 0
 
 
@@ -365,7 +378,13 @@ def _add_tasks(sub) -> None:
                     help="choices per cloze item (default 4)")
     ta.add_argument("--seed", type=int, default=0)
     ta.add_argument("--max-docs", type=positive_int, help="use only the first N documents")
+    ta.add_argument("--model", help="the model folder (or Hub id) the tasks will score: every cloze item fits its "
+                    "context length, counted with its tokenizer")
+    ta.add_argument("--max-tokens", type=at_least(4, "a context and a continuation"),
+                    help="context length the items must fit (default: --model's; without --model counted as UTF-8 "
+                    "bytes + 1, an upper bound)")
     ta.add_argument("--overwrite", action="store_true", help="replace tasks of the same name in --output")
+    ta.add_argument("--no-progress", action="store_true", help="no progress bar")
     ta.add_argument("--list", action="store_true", help="list the offline tasks shipped with expertize")
     ta.set_defaults(func=_tasks)
 
@@ -397,7 +416,8 @@ def _add_push(sub) -> None:
         help="upload a model folder to the Hugging Face Hub",
         description="Create the model repo if needed and upload the folder in one commit (never push_to_hub, "
         "which would replace the model card). Skipped: checkpoint/, hidden and temporary files, __pycache__, and "
-        "lm-eval's per-document samples_*.jsonl (unless --include-samples).",
+        "lm-eval's per-document samples_*.jsonl (unless --include-samples), and report subfolders other than plots/ and "
+        "lm_eval/, e.g. inspect/ (unless --include-reports).",
     )
     pu.add_argument("model_dir")
     pu.add_argument("--repo-id", required=True, help="USER/NAME or ORG/NAME")
@@ -405,6 +425,8 @@ def _add_push(sub) -> None:
     pu.add_argument("--revision", help="push to this branch (created from main when missing)")
     pu.add_argument("--token", help="Hub token with write access (default: `hf auth login` / HF_TOKEN)")
     pu.add_argument("--include-samples", action="store_true", help="also upload lm-eval's samples_*.jsonl")
+    pu.add_argument("--include-reports", action="store_true",
+                    help="also upload subfolders other than plots/ and lm_eval/ (e.g. an inspect/ report)")
     pu.set_defaults(func=_push)
 
 

@@ -48,6 +48,7 @@ import torch
 from ..errors import ExpertizeError, RunFailed
 from .activations import ActivationBatches, Batch, to_device
 from .capture import kept_positions
+from .documents import file_format
 from .text import resolve_paths, stream_sequences, token_budget_to_sequences
 
 __all__ = [
@@ -100,10 +101,17 @@ def _base_identity(recipe) -> dict[str, Any]:
 def _stream_identity(data) -> dict[str, Any]:
     """The data fields that decide the train stream's sequences (see NOT_COMPARED) and the corpus files' sizes."""
     fields = {f.name: getattr(data, f.name) for f in dataclasses.fields(data) if f.name not in NOT_COMPARED}
-    fields["corpus"] = [
-        {"file": str(Path(p).resolve()), "bytes": os.path.getsize(p)} for p in resolve_paths(data.paths)
-    ] if data.paths else []
+    fields["corpus"] = [_corpus_file(p, data.source) for p in resolve_paths(data.paths)] if data.paths else []
     return json.loads(json.dumps(fields))  # what the manifest holds after a round trip (tuples -> lists)
+
+
+def _corpus_file(path: str, source: str) -> dict[str, Any]:
+    """A corpus file's identity: its resolved path and size, and how it is read when that is not data.source (a
+    .jsonl file under source: text; caches captured before the format followed the file read it as text)."""
+    entry: dict[str, Any] = {"file": str(Path(path).resolve()), "bytes": os.path.getsize(path)}
+    if file_format(path, source) != source:
+        entry["read_as"] = file_format(path, source)
+    return entry
 
 
 # ----------------------------------------------------------------------------------------------------------------

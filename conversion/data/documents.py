@@ -1,7 +1,11 @@
-"""Reading documents from the corpus a recipe names: local text / jsonl / parquet files or a datasets hub dataset.
+"""Reading documents from a corpus: local text / jsonl / parquet files or a datasets hub dataset. The one reader of
+every command (`upcycle`'s data section, `capture`, `inspect`, `specialize`, `tasks`).
 
 One document per line, per blank-line block or per file (text), per record (jsonl / parquet, `text_column`), in the
-order of `data.paths` (globs sorted). Errors name the file and the fix (`DataError`).
+order of `data.paths` (globs sorted). A file's format follows its name (`file_format`): a `.jsonl` file is parsed as
+JSON lines and a `.parquet` file as parquet even under the default `data.source: text`, so the raw `{"text": ...}`
+syntax is never read as text; a name that contradicts an explicit other format is refused with the fix. Errors name
+the file and the fix (`DataError`).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import glob
 import itertools
 import json
 import os
+import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -55,17 +60,54 @@ def resolve_paths(paths: list[str]) -> list[str]:
     return files
 
 
+FORMAT_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
+"""File names whose format is fixed by the name, whatever data.source says (any other name: data.source's)."""
+
+
+def file_format(path: str, source: str = "text") -> str:
+    """How a local corpus file is read: "jsonl" or "parquet" when its name says so (`FORMAT_SUFFIXES`), else
+    `source` (text by default). A name that contradicts an explicit jsonl / parquet source is refused (DataError)."""
+    named = FORMAT_SUFFIXES.get(os.path.splitext(path)[1].lower())
+    if named is None or named == source:
+        return source
+    if source != "text":
+        raise DataError(
+            f"data.paths: {path!r} is a {named} file by its name, but data.source is {source!r}; set data.source to "
+            f"{named!r}, or list files of one format"
+        )
+    return named  # the default source: the file's own format
+
+
+def corpus_config(path: str, context_length: int = 128, separator: str = "auto") -> DataConfig:
+    """The data section that reads one named corpus file as every command does: its format from its name
+    (`file_format`); a text file's documents are lines, or blank-line blocks when `separator` is "auto" and the
+    file has blocks of several lines (a play's speeches, poems) — detected from its first MiB — or as `separator`
+    ("line" / "blank_line" / "file") says."""
+    from .text import DataConfig
+
+    fmt = file_format(path)
+    if fmt != "text":
+        return DataConfig(source=fmt, paths=[path], context_length=context_length)
+    if separator == "auto":
+        with open(path, encoding="utf-8", errors="replace") as f:
+            head = f.read(1 << 20).replace("\r\n", "\n")
+        blocks = [b for b in re.split(r"\n\s*\n", head.strip("\n")) if b.strip()]
+        separator = "blank_line" if len(blocks) > 1 and any("\n" in b.strip("\n") for b in blocks) else "line"
+    return DataConfig(source="text", paths=[path], context_length=context_length, document_separator=separator)
+
+
 def iter_documents(cfg: DataConfig) -> Iterator[str]:
     """Raw non-empty documents in file order (local sources) or stream order (hub)."""
     if cfg.source == "hub":
         yield from _hub_documents(cfg)
         return
-    read = {"text": _text_documents, "jsonl": _jsonl_documents, "parquet": _parquet_documents}[cfg.source]
+    readers = {"text": _text_documents, "jsonl": _jsonl_documents, "parquet": _parquet_documents}
     try:
         files = resolve_paths(cfg.paths)
     except OSError as e:  # a file removed since the recipe was loaded
         raise DataError(str(e)) from e
     for path in files:
+        read = readers[file_format(path, cfg.source)]
         try:
             yield from read(path, cfg)
         except UnicodeDecodeError as e:
@@ -109,7 +151,9 @@ def _jsonl_documents(path: str, cfg: DataConfig) -> Iterator[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(
-                    f"{path}:{line_number} is not valid JSON ({e}); data.source='jsonl' wants one JSON object per line"
+                    f"{path}:{line_number} is not valid JSON ({e}); a JSON-lines corpus (a .jsonl file, or "
+                    "data.source: jsonl) holds one JSON object per line; fix the line, or rename a plain-text file "
+                    "to .txt"
                 ) from e
             text = _record_text(record, cfg.text_column, f"{path}:{line_number}")
             if text:

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import torch
 
-from .documents import DataError, iter_documents, resolve_paths
+from .documents import DataError, file_format, iter_documents, resolve_paths
 
 __all__ = [
     "DataConfig",
@@ -58,7 +58,8 @@ class DataConfig:
     """Where the text comes from and how it becomes fixed-length token sequences (recipe section `data:`)."""
 
     source: str = "text"
-    """Kind of corpus: "text", "jsonl" or "parquet" (local files in `paths`), or "hub" (a datasets hub dataset)."""
+    """Kind of corpus: "text", "jsonl" or "parquet" (local files in `paths`), or "hub" (a datasets hub dataset).
+    A `.jsonl` / `.parquet` file is read in its own format under the default "text" (documents.file_format)."""
 
     paths: list[str] = field(default_factory=list)
     """Local files for the text/jsonl/parquet sources, read in the order given; glob patterns are expanded (sorted)."""
@@ -129,7 +130,8 @@ class DataConfig:
         if self.source in LOCAL_SOURCES:
             if not self.paths:
                 raise ValueError(f"data.source={self.source!r} reads local files, but data.paths is empty; list them")
-            resolve_paths(self.paths)  # raises on a missing file, naming it
+            for path in resolve_paths(self.paths):  # raises on a missing file, naming it
+                file_format(path, self.source)  # a .jsonl / .parquet name against another explicit format
         elif self.paths:
             raise ValueError(
                 f"data.paths={self.paths} is only read by local sources {list(LOCAL_SOURCES)}, but data.source='hub'; "

@@ -17,6 +17,7 @@ The folder is self-contained (YAML + JSON lines + a loader that imports only `da
 this way in `BUNDLED_TASKS_DIR` (see the README.md there); `expertize eval` always includes them.
 """
 
+import bisect
 import importlib.resources
 import json
 import math
@@ -24,14 +25,17 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
 __all__ = [
     "BUNDLED_TASKS",
     "bundled_tasks_dir",
+    "byte_bound",
     "cloze_items",
+    "model_token_limit",
+    "read_documents",
     "split_documents",
     "split_units",
     "write_task_folder",
@@ -103,6 +107,57 @@ def _auto_unit(documents: Sequence[str]) -> Literal["sentence", "line"]:
 # Cloze items
 
 
+TokenCounter = Callable[[list[str]], list[int]]
+"""Token counts of a batch of strings, as the model that will score the tasks counts them."""
+
+
+def byte_bound(texts: list[str]) -> list[int]:
+    """An upper bound on any byte-level or byte-fallback tokenizer's token count: UTF-8 bytes + 1 (a BOS/space
+    token); for `--max-tokens` without a model to count with."""
+    return [len(text.encode("utf-8")) + 1 for text in texts]
+
+
+class _Candidates:
+    """The distractor pool: every unit text with the documents holding it, grouped by length (characters), so an
+    item finds the units closest in length to its answer by walking outward from that length (the old scan of the
+    whole pool for every item made `expertize tasks` quadratic in the number of documents)."""
+
+    def __init__(self, units: list[list[str]], eligible: Callable[[str], bool]) -> None:
+        self.owners: dict[str, set[int]] = {}
+        for i, doc_units in enumerate(units):
+            for u in doc_units:
+                if eligible(u):
+                    self.owners.setdefault(u, set()).add(i)
+        by_length: dict[int, list[str]] = {}
+        for u in self.owners:
+            by_length.setdefault(len(u), []).append(u)
+        self.by_length = {n: sorted(texts) for n, texts in by_length.items()}
+        self.lengths = sorted(self.by_length)
+
+    def closest(self, doc: int, answer: str, context: list[str], wanted: int) -> list[str]:
+        """The first `wanted` units of other documents (not the answer, not in the context) in order of
+        (|length - answer's length|, text); all of them when there are fewer."""
+        target, out = len(answer), []
+        right = bisect.bisect_left(self.lengths, target)
+        left = right - 1
+        while len(out) < wanted and (left >= 0 or right < len(self.lengths)):
+            d_left = target - self.lengths[left] if left >= 0 else math.inf
+            d_right = self.lengths[right] - target if right < len(self.lengths) else math.inf
+            level: list[str] = []
+            if d_left <= d_right:
+                level += self.by_length[self.lengths[left]]
+                left -= 1
+            if d_right <= d_left:
+                level += self.by_length[self.lengths[right]]
+                right += 1
+            for u in sorted(level):  # ties in distance: by text (deterministic)
+                if u != answer and u not in context and self.owners[u] != {doc}:
+                    out.append(u)
+                    if len(out) == wanted:
+                        break
+        return out
+
+
 def cloze_items(
     documents: Sequence[str],
     *,
@@ -112,11 +167,17 @@ def cloze_items(
     min_units: int = 3,
     max_context_units: int = 8,
     max_items: int | None = None,
+    max_tokens: int | None = None,
+    count_tokens: TokenCounter | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> list[dict]:
     """Multiple-choice items {"context", "choices", "label", "doc_index"}: which unit comes next in a document?
 
     Documents with fewer than `min_units` units give no item; the context keeps at most the `max_context_units`
-    units before the cut (short enough for small context windows).
+    units before the cut (short enough for small context windows). `max_tokens` (a model's context length): every
+    item fits it whole, context + delimiter + any choice, counted by `count_tokens` (default `byte_bound`): a unit
+    longer than half of it is never a choice, and the context keeps only the last units that fit; a document whose
+    item cannot fit gives none. `progress(n)` is called after every n documents.
     """
     if n_choices < 2:
         raise ValueError(f"n_choices must be >= 2 (the true continuation and a distractor), got {n_choices}")
@@ -124,39 +185,96 @@ def cloze_items(
         raise ValueError(f"min_units must be >= 2 (a context and a continuation), got {min_units}")
     if max_context_units < 1:
         raise ValueError(f"max_context_units must be >= 1, got {max_context_units}")
+    if max_tokens is not None and max_tokens < 4:
+        raise ValueError(f"max_tokens must be >= 4 (a context and a continuation), got {max_tokens}")
     unit = _auto_unit(documents) if unit == "auto" else unit
+    joiner = "\n" if unit == "line" else " "  # also the task's target_delimiter
     units = [split_units(d, unit) for d in documents]
-    pool = [(i, u) for i, doc_units in enumerate(units) for u in dict.fromkeys(doc_units)]  # (doc index, unit)
+    fits = _Fit(units, joiner, max_tokens, count_tokens or byte_bound)
+    pool = _Candidates(units, fits.choice)
     rng = random.Random(seed)
     items = []
     for i, doc_units in enumerate(units):
+        if progress is not None:
+            progress(1)
         if len(doc_units) < min_units:
             continue
         if max_items is not None and len(items) >= max_items:
             break
         cut = rng.randint(max(1, math.ceil(len(doc_units) / 3)), len(doc_units) - 1)
         answer = doc_units[cut]
+        if not fits.choice(answer):
+            continue
         context = doc_units[max(0, cut - max_context_units) : cut]
-        candidates = sorted(
-            {u for j, u in pool if j != i and u != answer and u not in context},
-            key=lambda u: (abs(len(u) - len(answer)), u),  # closest in length first; ties by text (deterministic)
-        )
+        candidates = pool.closest(i, answer, context, 10 * (n_choices - 1))
         if len(candidates) < n_choices - 1:
             raise ValueError(
                 f"too little text for {n_choices}-way cloze items: only {len(candidates)} distractor "
                 f"{unit}s from other documents; give more documents or lower n_choices"
             )
-        distractors = rng.sample(candidates[: 10 * (n_choices - 1)], n_choices - 1)
+        distractors = rng.sample(candidates, n_choices - 1)  # closest in length first: length gives nothing away
         label = rng.randrange(n_choices)
         choices = distractors[:label] + [answer] + distractors[label:]
-        joiner = "\n" if unit == "line" else " "
-        items.append({"context": joiner.join(context), "choices": choices, "label": label, "doc_index": i})
+        context = fits.context(context, choices)
+        if context:
+            items.append({"context": joiner.join(context), "choices": choices, "label": label, "doc_index": i})
+    items = fits.verified(items)
     if not items:
+        limit = f" that fit in max_tokens={max_tokens}" if max_tokens is not None else ""
         raise ValueError(
-            f"no document has at least min_units={min_units} {unit}s; give longer documents, another --separator or "
-            "--unit, or lower min_units"
+            f"no document gives an item{limit}: none has at least min_units={min_units} {unit}s{limit and ' each'}; "
+            "give longer documents (or shorter units), another --separator or --unit, or lower min_units"
         )
     return items
+
+
+class _Fit:
+    """Whether cloze items fit a context window of `max_tokens` (None: any length fits)."""
+
+    def __init__(self, units: list[list[str]], joiner: str, max_tokens: int | None, count: TokenCounter) -> None:
+        self.joiner, self.max_tokens, self.count = joiner, max_tokens, count
+        self.tokens: dict[str, int] = {}
+        if max_tokens is not None:
+            texts = list(dict.fromkeys(u for doc_units in units for u in doc_units))
+            self.tokens = dict(zip(texts, count([joiner + u for u in texts])))  # as the harness scores a choice
+
+    def choice(self, u: str) -> bool:
+        return self.max_tokens is None or self.tokens[u] <= self.max_tokens // 2
+
+    def context(self, context: list[str], choices: list[str]) -> list[str]:
+        """The last units of `context` that fit beside the longest choice (estimated from the units' counts)."""
+        if self.max_tokens is None:
+            return context
+        room = self.max_tokens - max(self.tokens[c] for c in choices)
+        kept = 0
+        for k in range(1, len(context) + 1):
+            if sum(self.tokens[u] for u in context[-k:]) > room:
+                break
+            kept = k
+        return context[len(context) - kept :]
+
+    def verified(self, items: list[dict]) -> list[dict]:
+        """The items whose context + delimiter + every choice counts at most max_tokens, exactly (a unit's tokens
+        can merge across the delimiter); an item over it loses context units from the front, or is dropped."""
+        if self.max_tokens is None:
+            return items
+        out = []
+        for item in items:
+            context = item["context"].split(self.joiner) if self.joiner == "\n" else None
+            while True:
+                totals = self.count([item["context"] + self.joiner + c for c in item["choices"]])
+                if max(totals) <= self.max_tokens:
+                    out.append(item)
+                    break
+                # drop the first unit of the context (sentences: up to the first sentence end)
+                rest = ("\n".join(context[1:]) if context is not None
+                        else " ".join(split_units(item["context"], "sentence")[1:]))
+                if context is not None:
+                    context = context[1:]
+                if not rest:
+                    break
+                item = {**item, "context": rest}
+        return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -238,10 +356,15 @@ def write_task_folder(
     max_context_units: int = 8,
     tags: Sequence[str] = (),
     overwrite: bool = False,
+    max_tokens: int | None = None,
+    count_tokens: TokenCounter | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> list[str]:
     """Write the tasks `<name>_ppl` and `<name>_cloze` over `documents` into `output_dir`; returns their names.
 
-    Both tasks also carry the tag `<name>` (so `--tasks <name>` runs both) and `tags`.
+    Both tasks also carry the tag `<name>` (so `--tasks <name>` runs both) and `tags`. `max_tokens` / `count_tokens`:
+    every cloze item fits the scoring model's context whole (`cloze_items`); the perplexity task scores documents of
+    any length (the harness slides its window). `progress(n)`: n more documents made into items.
     """
     if not _TASK_NAME.fullmatch(name):
         raise ValueError(f"task name {name!r}: use letters, digits and underscores, starting with a letter")
@@ -250,7 +373,8 @@ def write_task_folder(
         raise ValueError(f"{source} holds no documents (it is empty or only whitespace)")
     unit = _auto_unit(documents) if unit == "auto" else unit
     items = cloze_items(
-        documents, unit=unit, n_choices=n_choices, seed=seed, min_units=min_units, max_context_units=max_context_units
+        documents, unit=unit, n_choices=n_choices, seed=seed, min_units=min_units, max_context_units=max_context_units,
+        max_tokens=max_tokens, count_tokens=count_tokens, progress=progress,
     )
     out = Path(output_dir)
     files = [f"{name}_ppl.yaml", f"{name}_cloze.yaml", f"{name}_text.jsonl", f"{name}_cloze.jsonl"]
@@ -271,6 +395,56 @@ def write_task_folder(
     return [f"{name}_ppl", f"{name}_cloze"]
 
 
+_SEPARATORS = {"auto": "auto", "line": "line", "blank": "blank_line"}
+"""`expertize tasks --separator` -> the corpus reader's document separator (data/documents.py)."""
+
+
+def read_documents(text_file: str | os.PathLike, separator: Separator = "auto") -> list[str]:
+    """The documents of a corpus file as every command reads them (data/documents.py: a .jsonl file's "text" field
+    per line, a .parquet file's "text" column, a text file's lines or blank-line blocks), tidied for task files:
+    trailing spaces and surrounding blank lines dropped."""
+    from ..data.documents import DataError, corpus_config, iter_documents
+
+    path = Path(text_file)
+    if not path.is_file():
+        raise FileNotFoundError(f"text file {str(path)!r} does not exist")
+    if separator not in _SEPARATORS:
+        raise ValueError(f"separator must be 'auto', 'line' or 'blank', got {separator!r}")
+    try:
+        raw = iter_documents(corpus_config(str(path), separator=_SEPARATORS[separator]))
+        documents = ["\n".join(line.rstrip() for line in doc.splitlines()).strip() for doc in raw]
+    except DataError as e:
+        raise ValueError(str(e)) from e
+    return [d for d in documents if d]
+
+
+_LENGTH_ATTRIBUTES = ("n_positions", "max_position_embeddings", "n_ctx")
+"""Where a config states its context length, in the order lm-eval's HFLM reads them (its max_length)."""
+
+
+def model_token_limit(model: str) -> tuple[TokenCounter, int]:
+    """(a token counter with `model`'s tokenizer, its context length as lm-eval will use it) for a model folder or
+    Hub id; an expertize folder loads through its remote code."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(model, trust_remote_code=True)
+        tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {model!r}: cannot load its config and tokenizer ({e}); give a model folder") from e
+    limits = [getattr(config, name) for name in _LENGTH_ATTRIBUTES if isinstance(getattr(config, name, None), int)]
+    if not limits and getattr(tokenizer, "model_max_length", 0) < 10**8:
+        limits = [tokenizer.model_max_length]
+    if not limits:
+        raise ValueError(f"--model {model!r} states no context length ({', '.join(_LENGTH_ATTRIBUTES)}); pass "
+                         "--max-tokens N")
+
+    def count(texts: list[str]) -> list[int]:
+        return [len(ids) for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]]
+
+    return count, int(limits[0])
+
+
 def write_tasks_from_text(
     text_file: str | os.PathLike,
     output_dir: str | os.PathLike,
@@ -278,15 +452,21 @@ def write_tasks_from_text(
     *,
     separator: Separator = "auto",
     max_docs: int | None = None,
+    show_progress: bool = False,
     **kwargs,
 ) -> list[str]:
-    """`write_task_folder` over the documents of a UTF-8 text file (the first `max_docs` of them when given)."""
-    path = Path(text_file)
-    if not path.is_file():
-        raise FileNotFoundError(f"text file {str(path)!r} does not exist")
-    documents = split_documents(path.read_text(encoding="utf-8"), separator)
+    """`write_task_folder` over the documents of a corpus file (`read_documents`; the first `max_docs` of them when
+    given), with a progress bar over the documents when `show_progress`; `kwargs` go to `write_task_folder`
+    (max_tokens / count_tokens fit the items to a model)."""
+    if max_docs is not None and max_docs < 1:
+        raise ValueError(f"max_docs must be >= 1, got {max_docs}")
+    documents = read_documents(text_file, separator)
     if max_docs is not None:
-        if max_docs < 1:
-            raise ValueError(f"max_docs must be >= 1, got {max_docs}")
         documents = documents[:max_docs]
-    return write_task_folder(documents, output_dir, name, source=f"`{path.name}`", **kwargs)
+    if not show_progress:
+        return write_task_folder(documents, output_dir, name, source=f"`{Path(text_file).name}`", **kwargs)
+    from tqdm.auto import tqdm
+
+    with tqdm(total=len(documents), desc="tasks: cloze items", unit="doc") as bar:
+        return write_task_folder(documents, output_dir, name, source=f"`{Path(text_file).name}`",
+                                 progress=bar.update, **kwargs)

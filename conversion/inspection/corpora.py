@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..data.documents import corpus_config
 from ..data.text import DataConfig, DataError, iter_documents, pack_sequences
 from ..errors import ExpertizeError
 
@@ -41,18 +42,7 @@ def parse_corpora(specs: list[str]) -> dict[str, str]:
 
 
 def _data_config(path: str, context_length: int) -> DataConfig:
-    if path.endswith(".jsonl"):
-        return DataConfig(source="jsonl", paths=[path], context_length=context_length)
-    if path.endswith(".parquet"):
-        return DataConfig(source="parquet", paths=[path], context_length=context_length)
-    with open(path, encoding="utf-8", errors="replace") as f:
-        head = f.read(1 << 20)
-    # Blank-line blocks when the file has any blank line (e.g. Tiny Shakespeare's speeches), else one per line.
-    blocks = any(not line.strip() for line in head.strip().splitlines())
-    return DataConfig(
-        source="text", paths=[path], context_length=context_length,
-        document_separator="blank_line" if blocks else "line",
-    )
+    return corpus_config(path, context_length)  # the one corpus reader of every command (data/documents.py)
 
 
 def corpus_sequences(name: str, path: str, tokenizer, tokens: int, context_length: int) -> torch.LongTensor:

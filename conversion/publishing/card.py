@@ -22,6 +22,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from .local_paths import ASSETS_VARIABLE
 from .metrics_schema import CeMetrics, GenerationMetrics, LayerMetrics, Metrics, ReconstructionPositions
 from .run_folder import MODEL_CARD, write_text
 
@@ -179,7 +180,12 @@ def _summary(base_model: str, layers: dict[int, dict], is_hub_id: bool) -> str:
             f"the MLP{'' if one else 's'} of {_layer_list(indices)} replaced by {'a ' if one else ''}{info.title} "
             f"layer{'' if one else 's'} (K = {_cell(k)} of {_cell(n_units)} {info.unit}s active per token)"
         )
-    base = f"[{base_model}](https://huggingface.co/{base_model})" if is_hub_id else f"`{base_model}`"
+    if is_hub_id:
+        base = f"[{base_model}](https://huggingface.co/{base_model})"
+    elif base_model.startswith(ASSETS_VARIABLE + "/"):
+        base = f"`{Path(base_model).name}` (the small model shipped with expertize, `{base_model}` in a recipe)"
+    else:
+        base = f"`{base_model}`"
     units = "/".join(sorted({_kind_info(spec.get("kind", "")).unit + "s" for spec in layers.values()}))
     return (
         f"{base} with {'; '.join(parts)}. Each sparse layer is a drop-in replacement for the dense MLP, trained to "

@@ -5,7 +5,9 @@ A run folder's own files stay truthful: provenance.json and recipe.resolved.yaml
 path in the JSON / YAML / Markdown records becomes `<local>/NAME` (its last component), the user's home `~`, and a
 base model that came from the Hub is named by its Hub id. The model card names the base by its Hub id (and links
 it in the `base_model` metadata) when it came from the Hub, by its folder name otherwise (no `base_model` metadata:
-the Hub only accepts repository ids there).
+the Hub only accepts repository ids there). A base model shipped inside the package (the quickstart's, under
+`${EXPERTIZE_ASSETS}`) is named portably, `${EXPERTIZE_ASSETS}/NAME`, in the card and in the public records: that
+name finds it on any machine with expertize installed, where an absolute path would find nothing.
 """
 
 import json
@@ -18,10 +20,11 @@ import yaml
 
 from .run_folder import strict_json
 
-__all__ = ["LOCAL", "base_model_provenance", "hub_id_of", "is_local_path", "public_base_model", "public_text",
-           "public_tree"]
+__all__ = ["ASSETS_VARIABLE", "LOCAL", "base_model_provenance", "hub_id_of", "is_local_path", "local_base_model",
+           "packaged_name", "public_base_model", "public_text", "public_tree"]
 
 LOCAL = "<local>"
+ASSETS_VARIABLE = "${EXPERTIZE_ASSETS}"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 # A folder in the Hugging Face cache: .../models--ORG--NAME/snapshots/<revision>[/...] (Hub names never hold "--").
 _HF_CACHE = re.compile(r"models--([\w.-]+?)(?:--([\w.-]+))?[/\\]snapshots(?:[/\\]|$)")
@@ -34,6 +37,27 @@ def is_local_path(value: str) -> bool:
         os.path.isabs(value) or value.startswith(("~", ".")) or value.count("/") > 1 or "\\" in value
         or os.path.exists(value)
     )
+
+
+def packaged_name(path: str) -> str | None:
+    """`${EXPERTIZE_ASSETS}/NAME` for a path inside the installed package's assets folder (how a shipped recipe
+    names it), None for any other path."""
+    from ..recipe.loader import assets_dir
+
+    if not path or not os.path.isabs(os.path.expanduser(path)):
+        return None
+    assets = os.path.realpath(assets_dir())
+    real = os.path.realpath(os.path.expanduser(path))
+    if real == assets or not real.startswith(assets + os.sep):
+        return None
+    return f"{ASSETS_VARIABLE}/{Path(os.path.relpath(real, assets)).as_posix()}"
+
+
+def local_base_model(base_model: str) -> tuple[str, bool | None]:
+    """(the name the folder's own card gives a base model that is not from the Hub, whether it is a Hub id): a
+    packaged base by its portable name (no metadata), any other by its path (a truthful local record)."""
+    packaged = packaged_name(base_model)
+    return (packaged, False) if packaged else (base_model, None)
 
 
 def hub_id_of(base_model: str) -> str | None:
@@ -67,7 +91,7 @@ def public_base_model(provenance: dict[str, Any] | None, base_model: str | None)
         hub_id = hub_id_of(base_model)
     if hub_id:
         return str(hub_id), True
-    return Path(base_model.rstrip("/\\")).name or base_model, False
+    return packaged_name(base_model) or Path(base_model.rstrip("/\\")).name or base_model, False
 
 
 def _whole_path(value: str) -> bool:
@@ -100,6 +124,8 @@ class _Scrubber:
     def text(self, value: str) -> str:
         if value in self.hub_ids:
             return self.hub_ids[value]
+        if _whole_path(value) and packaged_name(value):
+            return packaged_name(value)
         cached = _HF_CACHE.search(value)
         if cached and os.path.isabs(value):
             return "/".join(part for part in cached.groups() if part)

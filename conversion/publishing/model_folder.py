@@ -26,7 +26,7 @@ from expertize.modeling.sparse_layers import spec_from_dict
 from ..checks import check_weight_file
 from ..errors import ExpertizeError
 from .card import render_model_card, write_model_card
-from .local_paths import public_base_model
+from .local_paths import local_base_model, public_base_model
 from .metrics_schema import Metrics, load_metrics
 from .run_folder import METRICS, PROVENANCE, RESOLVED_RECIPE, write_json
 
@@ -173,7 +173,7 @@ def _card_inputs(model_dir: Path, base_model: str | None, public: bool) -> dict[
     name, is_hub_id = public_base_model(read_provenance(model_dir) if recorded else {}, recorded or base_model)
     hub_flag: bool | None = is_hub_id
     if not is_hub_id and not public:
-        name, hub_flag = recorded or base_model, None  # None: the card keeps today's metadata for a local path
+        name, hub_flag = local_base_model(recorded or base_model)  # a packaged base by its portable name
     metrics = load_metrics(model_dir)
     tasks = metrics.lm_eval.tasks if metrics.lm_eval is not None else {}
     summary = metrics.recipe_summary

@@ -8,11 +8,13 @@
 
 Never `model.push_to_hub()`: it replaces README.md with a generic card.
 
-What is uploaded: everything in the folder except training leftovers and local-only files (`EXCLUDED`): `checkpoint/`
-(resumable optimizer state), staging folders and hidden files (`.final.*`, `.*.tmp`), `__pycache__/`, and lm-eval's
-per-document logs `samples_*.jsonl` (large; `include_samples=True` uploads them). The model, remote code,
-tokenizer, metrics.json, the resolved recipe, provenance.json, train_log.jsonl, plots/ and lm-eval's results_*.json
-and comparison files all go up.
+What is uploaded: the model, not the workbench. The folder's files (model, remote code, tokenizer, metrics.json, the
+resolved recipe, provenance.json, train_log.jsonl, the card) and its `MODEL_SUBFOLDERS` (plots/, lm_eval/'s
+results_*.json and comparison files) go up. Not uploaded: training leftovers and local-only files (`EXCLUDED`:
+`checkpoint/`, staging and hidden files such as `.final.*`, `.*.tmp` and the run lock, `__pycache__/`), lm-eval's
+per-document logs `samples_*.jsonl` (large; `include_samples=True` uploads them), and any other subfolder: reports
+written into the folder, such as `expertize inspect --output MODEL_DIR/inspect` (megabytes of explorer data) or a
+tracker's `tracking/` (`include_reports=True` uploads them; `left_out_reports` names them).
 
 Local paths stay local: the uploaded copies of the records (metrics.json, provenance.json, recipe*.yaml, lm_eval/
 JSON and Markdown) name local files `<local>/NAME` and a base model from the Hub by its id (local_paths.py); the
@@ -37,29 +39,52 @@ from .local_paths import public_text
 from .model_folder import (
     ModelFolderError, check_model_folder, read_provenance, recorded_base_model, render_card_from_folder,
 )
-from .run_folder import CHECKPOINT, LM_EVAL, METRICS, MODEL_CARD, PROVENANCE
+from .run_folder import CHECKPOINT, LM_EVAL, METRICS, MODEL_CARD, PLOTS, PROVENANCE
 
-__all__ = ["EXCLUDED", "PushError", "files_to_upload", "push_model"]
+__all__ = ["EXCLUDED", "MODEL_SUBFOLDERS", "PushError", "files_to_upload", "left_out_reports", "push_model"]
 
 EXCLUDED = (f"{CHECKPOINT}/*", ".*", "*/.*", "__pycache__/*", "*/__pycache__/*", "*.tmp", "*.pyc")
 """Relative-path patterns never uploaded (fnmatch; "*" also matches "/")."""
 SAMPLES = "*samples_*.jsonl"
+MODEL_SUBFOLDERS = (PLOTS, LM_EVAL)
+"""The subfolders that belong to the published model (its card shows them); any other is a report, left out unless
+asked for (`include_reports`)."""
 
 
 class PushError(ExpertizeError, ValueError):
     """The push cannot go ahead (no token, name clash, ...); the message says why and what to do."""
 
 
-def files_to_upload(model_dir: str | os.PathLike, *, include_samples: bool = False) -> list[str]:
+def _is_report(rel: str) -> bool:
+    """A file in a subfolder that is not one of the model's own (`MODEL_SUBFOLDERS`)."""
+    return "/" in rel and rel.split("/", 1)[0] not in MODEL_SUBFOLDERS
+
+
+def files_to_upload(
+    model_dir: str | os.PathLike, *, include_samples: bool = False, include_reports: bool = False
+) -> list[str]:
     """Relative paths (sorted, POSIX) of the files `push_model` uploads from `model_dir`."""
     root = Path(model_dir)
     excluded = EXCLUDED + (() if include_samples else (SAMPLES,))
     out = []
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root).as_posix()
-        if path.is_file() and not any(fnmatch.fnmatch(rel, pattern) for pattern in excluded):
+        if not path.is_file() or any(fnmatch.fnmatch(rel, pattern) for pattern in excluded):
+            continue
+        if include_reports or not _is_report(rel):
             out.append(rel)
     return out
+
+
+def left_out_reports(model_dir: str | os.PathLike) -> dict[str, int]:
+    """The report subfolders `push_model` leaves out by default, with their sizes in bytes (name -> bytes)."""
+    root = Path(model_dir)
+    sizes: dict[str, int] = {}
+    for rel in files_to_upload(root, include_samples=True, include_reports=True):
+        if _is_report(rel):
+            top = rel.split("/", 1)[0]
+            sizes[top] = sizes.get(top, 0) + (root / rel).stat().st_size
+    return sizes
 
 
 def _card_is_ours(readme: Path) -> bool:
@@ -93,12 +118,12 @@ def _local_roots(model_dir: Path) -> tuple[list[str], dict[str, str]]:
     return roots, hub_ids
 
 
-def _stage(model_dir: Path, stage: Path, repo_id: str, include_samples: bool) -> None:
+def _stage(model_dir: Path, stage: Path, repo_id: str, include_samples: bool, include_reports: bool) -> None:
     """Hard-link (or copy across filesystems) the files to upload into `stage`; write public copies of the records
     (local paths replaced); re-render an expertize card with the real repo id (its loading snippet and model-index
     name), or render one when the folder has none."""
     roots, hub_ids = _local_roots(model_dir)
-    for rel in files_to_upload(model_dir, include_samples=include_samples):
+    for rel in files_to_upload(model_dir, include_samples=include_samples, include_reports=include_reports):
         target = stage / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         public = public_text(model_dir / rel, roots, hub_ids) if _is_record(rel) else None
@@ -197,12 +222,14 @@ def push_model(
     revision: str | None = None,
     token: str | None = None,
     include_samples: bool = False,
+    include_reports: bool = False,
     commit_message: str | None = None,
 ) -> str:
     """Upload `model_dir` to the Hub model repo `repo_id` (created when missing); returns the commit URL.
 
     `revision` pushes to that branch (created from main when missing) instead of main. `token` defaults to the
     logged-in token (`hf auth login` or HF_TOKEN); it is checked before anything touches the network.
+    `include_reports`: also upload subfolders other than plots/ and lm_eval/ (e.g. an `inspect/` report).
     """
     model_dir = Path(model_dir)
     if "/" not in repo_id or repo_id.count("/") != 1 or not all(repo_id.split("/")):
@@ -221,7 +248,7 @@ def push_model(
             api.create_branch(repo_id, branch=revision, exist_ok=True)
     # Staged inside the folder (same filesystem: hard links work; hidden: never uploaded itself).
     with tempfile.TemporaryDirectory(prefix=".push.", dir=model_dir) as tmp, _network(repo_id):
-        _stage(model_dir, Path(tmp), repo_id, include_samples)
+        _stage(model_dir, Path(tmp), repo_id, include_samples, include_reports)
         commit = api.upload_folder(
             repo_id=repo_id,
             folder_path=tmp,
