@@ -244,7 +244,7 @@ def _specialize(args: argparse.Namespace) -> int:
     report = specialize_folder(
         args.model_dir, corpora, settings, layer=args.layer, fit_tokens=args.tokens,
         eval_tokens=args.eval_tokens, context_length=args.context_length, eval_fraction=args.eval_fraction,
-        base=args.base, device=device,
+        base=args.base, device=device, progress=not args.no_progress,
     )
     print(report.format())
     if args.json:
@@ -286,6 +286,7 @@ def _add_specialize(sub) -> None:
     sp.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass (default 8)")
     sp.add_argument("--device", default="cpu", help="auto, cpu, cuda, cuda:N, mps (default cpu)")
     sp.add_argument("--json", help="also write the full report as JSON to this file")
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     sp.set_defaults(func=_specialize)
 
 
@@ -297,7 +298,7 @@ def _capture(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.set)
     with quiet_library_progress(args.no_progress):
         out = capture_activations(recipe, args.output, dtype=args.dtype, shard_tokens=args.shard_tokens,
-                                  log=None if args.no_progress else _stderr)
+                                  log=None if args.no_progress else _stderr, progress=not args.no_progress)
     print(f"expertize: wrote the activation cache {out}; train from it with\n"
           f"  expertize upcycle {args.recipe} --set data.activation_cache={out}")
     return 0

@@ -12,9 +12,9 @@ import contextlib
 import importlib
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-__all__ = ["library_progress_is_quiet", "quiet_library_progress", "quiet_lm_eval"]
+__all__ = ["library_progress_is_quiet", "quiet_library_progress", "quiet_lm_eval", "stage_bar"]
 
 _quiet_depth = 0
 _LOGGERS = ("transformers", "datasets", "huggingface_hub", "lm_eval", "lm-eval", "accelerate")
@@ -108,3 +108,29 @@ def quiet_lm_eval() -> Iterator[None]:
     finally:
         for module, original in patched:
             module.tqdm = original
+
+
+@contextlib.contextmanager
+def stage_bar(desc: str, stages: int, enabled: bool = True) -> Iterator[Callable[[str], None]]:
+    """A progress bar over the `stages` stages of a long command (`expertize specialize`), drawn like upcycle's
+    step bars: the yielded `start(name)` marks the previous stage done and names the one starting. Nothing is drawn
+    before the first stage starts, so a refusal before the work stays one line."""
+    from tqdm.auto import tqdm
+
+    bar = None
+
+    def start(name: str) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=stages, desc=desc, unit="stage", disable=not enabled)
+        else:
+            bar.update(1)
+        bar.set_postfix_str(name)
+
+    try:
+        yield start
+        if bar is not None:
+            bar.update(bar.total - bar.n)
+    finally:
+        if bar is not None:
+            bar.close()

@@ -200,7 +200,7 @@ def test_readme_own_text_evaluation_flow_on_the_quickstart_model(quickstart, tmp
     # What cannot fit is refused, naming the limit.
     assert cli_main(["tasks", str(wiki), "--name", "tiny", "--output", str(tmp_path / "t"), "--max-tokens", "4",
                      "--max-docs", "20", "--no-progress"]) == 2
-    assert "no document gives an item that fit in max_tokens=4" in capsys.readouterr().err
+    assert "no cloze item fits in max_tokens=4: the sentences are too long" in capsys.readouterr().err
 
 
 def test_tasks_is_linear_in_the_number_of_documents(capsys):
@@ -255,3 +255,44 @@ def test_push_leaves_reports_out_and_names_a_packaged_base_portably(quickstart):
         assert "base_model:" not in card.split("---")[1]  # not a Hub id: no base_model metadata
     provenance = json.loads((model / "provenance.json").read_text())
     assert public_tree(provenance, [model])["base_model"] == assets
+
+
+# -- 6. long commands show progress -------------------------------------------------------------------------------
+
+
+def test_capture_specialize_and_tasks_draw_progress_bars(tiny_run, capsys):
+    """capture, specialize and tasks draw a bar to completion, as upcycle does (before: nothing for 30 s to
+    minutes); --no-progress silences them."""
+    import torch
+
+    from expertize.conversion.surgery.splice import save_model
+    from tests.conftest import tiny_tokenizer
+    from tests.test_specialization import domain_model
+
+    tmp_path, tree = tiny_run
+    tree["data"]["train_tokens"] = 256 * 8
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(tree), encoding="utf-8")
+    model_dir = tmp_path / "model"
+    save_model(domain_model().float(), model_dir, tiny_tokenizer())
+    gen, corpora = torch.Generator().manual_seed(0), []
+    for name, words in (("low", range(0, 45)), ("high", range(45, 95))):
+        lines = [" ".join(f"w{words[int(i)]}" for i in torch.randint(0, len(words), (12,), generator=gen)) + "."
+                 for _ in range(80)]
+        (tmp_path / f"{name}.txt").write_text("\n".join(lines), encoding="utf-8")
+        corpora += ["--corpus", f"{name}={tmp_path / f'{name}.txt'}"]
+    lines = (tmp_path / "corpus.txt").read_text().splitlines()[:200]
+    text = tmp_path / "blocks.txt"  # documents of four lines: items ask for the next line
+    text.write_text("\n\n".join("\n".join(lines[i : i + 4]) for i in range(0, 200, 4)), encoding="utf-8")
+    commands = {
+        "capture: 100%": ["capture", str(recipe), "--output", str(tmp_path / "cache")],
+        "specialize: 100%": ["specialize", str(model_dir), *corpora, "--context-length", "16", "--tokens", "96",
+                             "--eval-tokens", "64", "--probe-k", "1", "--probe-top", "4"],
+        "tasks: cloze items: 100%": ["tasks", str(text), "--name", "c", "--output", str(tmp_path / "tasks")],
+    }
+    for bar, argv in commands.items():
+        assert cli_main(argv) == 0, argv
+        assert bar in capsys.readouterr().err, bar
+    assert cli_main(["tasks", str(text), "--name", "d", "--output", str(tmp_path / "tasks"), "--no-progress",
+                     "--max-tokens", "512"]) == 0
+    assert "cloze items" not in capsys.readouterr().err

@@ -177,10 +177,11 @@ def _sha256(path: Path) -> str:
 
 def capture_activations(
     recipe, output: str | os.PathLike | None = None, *, dtype: str | None = None, shard_tokens: int | None = None,
-    log: Log | None = None,
+    log: Log | None = None, progress: bool = False,
 ) -> Path:
     """Capture the recipe's train stream at its target layers into the cache folder `output` (default
     data.activation_cache), stored as `dtype` (default: the base model's, recipe.dtype); returns the folder.
+    `progress`: a bar over the sequences (as upcycle's over steps) instead of a `log` line per shard.
 
     The base model runs in recipe.dtype on train.device under no_grad, train.capture_batch_sequences sequences per
     forward (as a live run). Shards of `shard_tokens` tokens (rounded up to whole sequences; default ~256 MiB)."""
@@ -188,6 +189,8 @@ def capture_activations(
     from ..preflight import plan_run
     from ..publishing.run_folder import write_json
     from ..surgery.splice import load_base_model
+    from tqdm.auto import tqdm
+
     from .capture import MlpCapture
     from .text import batch_sequences, iter_sequences
 
@@ -229,12 +232,15 @@ def capture_activations(
         capture = MlpCapture(base, plan.layer_ids)
         sequences = iter_sequences(data, plan.tokenizer, split="train")
         logged = 0
-        with torch.no_grad():
+        with torch.no_grad(), tqdm(total=wanted, desc="capture", unit="seq", disable=not progress) as bar:
             for input_ids in batch_sequences(sequences, recipe.train.capture_batch_sequences):  # (B, T)
                 writer.add(input_ids, capture(input_ids.to(plan.device)))
+                bar.update(len(input_ids))
                 if len(writer.shards) > logged:
                     logged = len(writer.shards)
-                    say(f"capture: {writer.sequences * t:,} / {wanted * t:,} tokens ({logged} shard(s))")
+                    bar.set_postfix_str(f"{logged} shard(s) written")
+                    if not progress:
+                        say(f"capture: {writer.sequences * t:,} / {wanted * t:,} tokens ({logged} shard(s))")
         writer.close()
         if not writer.sequences:
             raise CacheError("the train split gave no sequence; add text or lower data.context_length")

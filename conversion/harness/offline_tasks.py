@@ -219,11 +219,16 @@ def cloze_items(
         if context:
             items.append({"context": joiner.join(context), "choices": choices, "label": label, "doc_index": i})
     items = fits.verified(items)
-    if not items:
-        limit = f" that fit in max_tokens={max_tokens}" if max_tokens is not None else ""
+    if not items and max_tokens is not None and any(len(u) >= min_units for u in units):
         raise ValueError(
-            f"no document gives an item{limit}: none has at least min_units={min_units} {unit}s{limit and ' each'}; "
-            "give longer documents (or shorter units), another --separator or --unit, or lower min_units"
+            f"no cloze item fits in max_tokens={max_tokens}: the {unit}s are too long for that context (a choice "
+            f"may take at most {max_tokens // 2} tokens, beside a context); give a larger --max-tokens (a model with "
+            "a longer context), or a text of shorter sentences or lines"
+        )
+    if not items:
+        raise ValueError(
+            f"no document has at least min_units={min_units} {unit}s; give longer documents, another --separator or "
+            "--unit, or lower min_units"
         )
     return items
 

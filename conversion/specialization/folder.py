@@ -32,9 +32,13 @@ def specialize_folder(
     model_dir: str | os.PathLike, corpora: Mapping[str, str], settings: SpecializationSettings | None = None, *,
     layer: int | None = None, fit_tokens: int = 32_768, eval_tokens: int = 8_192, context_length: int = 128,
     eval_fraction: float = 0.3, base: str | os.PathLike | None = None, device: "str | torch.device" = "cpu",
+    progress: bool = False,
 ) -> SpecializationReport:
     """Load an expertize model folder (and the dense `base` model for the probing baseline, when given) and measure
-    how its sparse layer specializes over the named corpora {domain: path}."""
+    how its sparse layer specializes over the named corpora {domain: path}; `progress`: a bar over its stages."""
+    from ..progress import stage_bar
+    from .report import STAGES
+
     from ..checks import check_context_length, resolve_device
     from ..inspection.folder import _load_model, checked_folder
     from ..surgery.splice import load_base_model
@@ -47,9 +51,10 @@ def specialize_folder(
     device = resolve_device(device, "--device")
     config, tokenizer = checked_folder(model_dir)
     check_context_length(context_length, config, setting="--context-length", model=str(model_dir))
-    fit, held = split_corpora(corpora, tokenizer, fit_tokens, eval_tokens, context_length, eval_fraction,
-                              settings.seed)
-    model = _load_model(model_dir, device)
-    base_model = None if base is None else load_base_model(str(base)).to(device).eval()
-    special = [i for i in tokenizer.all_special_ids if i is not None]
-    return specialize(model, fit, held, special, settings, layer=layer, base_model=base_model)
+    with stage_bar("specialize", len(STAGES) - (base is None), enabled=progress) as stage:
+        fit, held = split_corpora(corpora, tokenizer, fit_tokens, eval_tokens, context_length, eval_fraction,
+                                  settings.seed)
+        model = _load_model(model_dir, device)
+        base_model = None if base is None else load_base_model(str(base)).to(device).eval()
+        special = [i for i in tokenizer.all_special_ids if i is not None]
+        return specialize(model, fit, held, special, settings, layer=layer, base_model=base_model, stage=stage)

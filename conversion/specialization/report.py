@@ -7,6 +7,7 @@ from `expertize inspect`'s engine (`collect_stats`): per-domain firing rates, li
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -141,16 +142,23 @@ def _labelled(sequences: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.T
     return torch.cat([sequences[n] for n in names]), labels  # (S, T), (S,)
 
 
+STAGES = ("unit statistics", "domain masking", "steering", "probing", "dense probing")
+"""The stages of `specialize`, in order (the last only with a base model)."""
+
+
 def specialize(
     model: nn.Module, fit: dict[str, torch.Tensor], held: dict[str, torch.Tensor], special_ids: list[int],
     settings: SpecializationSettings | None = None, layer: int | None = None, base_model: nn.Module | None = None,
+    stage: Callable[[str], None] | None = None,
 ) -> SpecializationReport:
     """Masking, probing and steering of `model`'s sparse layer `layer` (default: its only one).
 
     fit / held: {domain: (S, T) int64} token sequences from disjoint documents, same domains in the same order.
     special_ids: token ids excluded from pooling (BOS, EOS, padding). base_model: the dense model, for the probing
-    baseline on its MLP's hidden neurons at the same layer (None: no baseline)."""
+    baseline on its MLP's hidden neurons at the same layer (None: no baseline). stage: called with the name of each
+    of the `STAGES` as it starts (a progress bar)."""
     settings = settings or SpecializationSettings()
+    stage = stage or (lambda name: None)
     if list(fit) != list(held):
         raise SpecializationError(f"fit and held-out corpora must name the same domains in order: {list(fit)} vs "
                                   f"{list(held)}")
@@ -165,25 +173,30 @@ def specialize(
         raise SpecializationError(f"layer {layer} is not a sparse layer of the model; choose from {sorted(layers)}")
     sparse = layers[layer]
     T = next(iter(fit.values())).shape[1]
+    stage(STAGES[0])
     stats = collect_stats(model, fit, InspectionSettings(tokens=0, context_length=T, batch_size=settings.batch_size,
                                                          top_n=1, vocab_top=1, layers=(layer,)), token_text=str)
     ls = stats.layers[layer]
     rates, live = stats.domain_rates(layer), ls.counts > 0  # (D, U), (U,)
     if not live.any():
         raise SpecializationError(f"no unit of layer {layer} fired on the fit text; check the model and the corpora")
+    stage(STAGES[1])
     base_ce = {n: mean_ce(model, s, settings.batch_size) for n, s in held.items()}
     masking = domain_masking(model, sparse, rates, live, held, settings.ratio, settings.seed, settings.batch_size,
                              base_ce)
+    stage(STAGES[2])
     steering = steer_domains(model, sparse, rates, live, ls.mean_activation, held, settings.steer_scale,
                              settings.seed, settings.batch_size, base_ce)
     (x_fit, y_fit), (x_held, y_held) = _labelled(fit), _labelled(held)
     m_fit, m_held = content_mask(x_fit, special_ids), content_mask(x_held, special_ids)
     probe = dict(ks=settings.probe_ks, top=settings.probe_top, seed=settings.seed)
+    stage(STAGES[3])
     probing = probe_domains(pooled_codes(model, sparse, x_fit, m_fit, settings.batch_size), y_fit,
                             pooled_codes(model, sparse, x_held, m_held, settings.batch_size), y_held, list(fit),
                             **probe)
     dense = None
     if base_model is not None:
+        stage(STAGES[4])
         mlp = decoder_blocks(base_model)[layer].mlp
         dense = probe_domains(pooled_dense(base_model, mlp, x_fit, m_fit, settings.batch_size), y_fit,
                               pooled_dense(base_model, mlp, x_held, m_held, settings.batch_size), y_held, list(fit),
