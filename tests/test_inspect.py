@@ -77,6 +77,17 @@ def brute_force_codes(model, sequences: dict[str, torch.Tensor]) -> dict[int, to
     return {i: torch.cat(rows) for i, rows in dense.items()}  # (S_total · T, U)
 
 
+def is_peak(column: torch.Tensor, row: int, T: int, radius: int) -> bool:
+    """Whether flat token `row` is the highest of `column` within `radius` tokens of its sequence on either side, ties
+    going to the earlier token: one context per stretch of text."""
+    s, p = divmod(row, T)
+    for q in range(max(0, p - radius), min(T, p + radius + 1)):
+        other = float(column[s * T + q])
+        if q != p and (other > float(column[row]) or (other == float(column[row]) and q < p)):
+            return False
+    return True
+
+
 def run(model, sequences, **settings):
     settings = InspectionSettings(**{"top_n": 4, "left": 3, "right": 2, "batch_size": 3, **settings})
     return collect_stats(model, sequences, settings, token_text=lambda t: f"t{t}", model_name="tiny")
@@ -104,7 +115,8 @@ def test_statistics_equal_brute_force(kind):
         report = stats.to_json(layer)
         for unit in range(ls.num_units):
             column = acts[:, unit]
-            rows = fired[:, unit].nonzero().squeeze(-1)
+            rows = torch.tensor([r for r in fired[:, unit].nonzero().squeeze(-1).tolist()
+                                 if is_peak(column, r, T, radius=3 + 2)], dtype=torch.long)
             order = torch.sort(column[rows], descending=True, stable=True).indices[:4]
             expected = rows[order]  # flat token rows of the top 4, earlier token first on ties
             got = report["units"][unit]["top_contexts"]

@@ -66,6 +66,26 @@ def test_cli_writes_valid_reports_and_a_self_contained_explorer(model_dir, tmp_p
     assert "layer 0 (transcoder): 300 units" in capsys.readouterr().out
 
 
+def test_top_contexts_are_one_per_stretch_of_text(model_dir, tmp_path):
+    """Non-maximum suppression: no two contexts of a unit share a token of their windows, and no window shows a higher
+    activation than its own peak (before: per-token peaks, so neighbouring tokens gave overlapping contexts)."""
+    out = _inspect(model_dir, tmp_path, "--left", "3", "--right", "2")
+    shown = 0
+    for layer in (0, 1):
+        report = json.loads((out / f"layer_{layer}.json").read_text())
+        for unit in report["units"]:
+            contexts = unit["top_contexts"]
+            for c in contexts:
+                peak = c["activations"][c["peak"]]  # rounded to 4 decimals in the report, max to 5
+                assert max(c["activations"]) == peak == pytest.approx(c["max"], abs=1e-4), (layer, unit["id"], c)
+            for i, a in enumerate(contexts):
+                for b in contexts[i + 1 :]:
+                    same = (a["domain"], a["sequence"]) == (b["domain"], b["sequence"])
+                    assert not (same and abs(a["position"] - b["position"]) <= 3 + 2), (layer, unit["id"], a, b)
+            shown += len(contexts)
+    assert shown > 100
+
+
 def test_validator_rejects_what_the_schema_forbids(model_dir, tmp_path):
     out = _inspect(model_dir, tmp_path)
     report = json.loads((out / "layer_0.json").read_text(encoding="utf-8"))

@@ -8,9 +8,15 @@ State per layer, bounded by units × N (× the context window W = left + 1 + rig
     tokens   (U, N, W)  token ids of the window around each peak (-1 beyond the sequence's ends)
     acts     (U, N, W)  the unit's activation on every token of that window (0 where it did not fire)
 
-One merge per batch: the batch's firing pairs are ranked within each unit by two stable sorts (value, then unit), the
-first N of each unit are scattered into a (U, N) candidate table, and `cat + topk` over (U, 2N) keeps the best N.
-Windows are gathered only for the batch's new winners. Ties between equal activations keep the earlier token.
+One context per stretch of text (non-maximum suppression, as activation dashboards keep it): a firing is a context's
+peak only when the unit's activation there is the highest within R = left + right tokens on either side in the same
+sequence (ties: the earlier token wins). So no two contexts of a unit share a token of their windows, and no window
+shows a higher activation than its own peak. A sequence never spans two batches, so the suppression is done per
+batch, before the merge, and the result is the same for every batch size.
+
+One merge per batch: the batch's peaks are ranked within each unit by two stable sorts (value, then unit), the first
+N of each unit are scattered into a (U, N) candidate table, and `cat + topk` over (U, 2N) keeps the best N. Windows
+are gathered only for the batch's new winners. Ties between equal activations keep the earlier token.
 """
 
 import torch
@@ -48,12 +54,13 @@ class TopContexts:
     ) -> None:
         """Merge one batch.
 
-        unit, value, token: (P,) the batch's firing pairs (unit id, activation, flat token index b·T + t);
-        input_ids (B, T); code_index / code_weights (B·T, K) the layer's code for the batch; `domain` the batch's
-        corpus index; `first_sequence` the global id of the batch's first sequence.
+        unit, value, token: (P,) the batch's firing pairs (unit id, activation, flat token index b·T + t), each
+        (unit, token) at most once; input_ids (B, T); code_index / code_weights (B·T, K) the layer's code for the
+        batch; `domain` the batch's corpus index; `first_sequence` the global id of the batch's first sequence.
         """
+        peak = local_peaks(unit, value, token, input_ids.shape[1], self.left + self.right)
         # Pairs not above their unit's current N-th value cannot enter (ties keep the earlier, old entry).
-        enter = value > self.values[unit, -1]
+        enter = peak & (value > self.values[unit, -1])
         unit, value, token = unit[enter], value[enter], token[enter]
         if unit.numel() == 0:
             return
@@ -129,6 +136,30 @@ class TopContexts:
         hit = code_index[flat] == unit[:, None, None]  # (M, W, K)
         acts = (code_weights[flat].float() * hit).sum(-1).masked_fill(~inside, 0.0)  # (M, W)
         return tokens, acts
+
+
+def local_peaks(unit: torch.Tensor, value: torch.Tensor, token: torch.Tensor, T: int, radius: int) -> torch.Tensor:
+    """(P,) bool: whether each firing pair is the highest of its unit within `radius` tokens on either side in the
+    same sequence (of length T; flat token index b·T + t), ties going to the earlier token. Non-firing tokens count
+    as 0, below every firing. unit, value, token: (P,), each (unit, token) at most once."""
+    if radius <= 0 or unit.numel() == 0:
+        return torch.ones_like(unit, dtype=torch.bool)
+    span = int(token.max()) + 1 + radius  # keys of different units never meet, even at a neighbour's offset
+    key = unit * span + token  # (P,) unique
+    order = torch.argsort(key)
+    sorted_key, sorted_value = key[order], value[order]  # (P,) each
+    position = token % T
+    peak = torch.ones_like(unit, dtype=torch.bool)
+    for offset in range(-radius, radius + 1):
+        if offset == 0:
+            continue
+        inside = (position + offset >= 0) & (position + offset < T)  # the neighbour is in the same sequence
+        at = torch.searchsorted(sorted_key, key + offset).clamp_max(key.numel() - 1)  # (P,)
+        found = inside & (sorted_key[at] == key + offset)
+        other = sorted_value[at]
+        beaten = (other > value) | ((other == value) & (offset < 0))
+        peak &= ~(found & beaten)
+    return peak
 
 
 def _stable_topk(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
