@@ -353,13 +353,19 @@ def activation_batches(
 
 
 def upcycle_summary(folder: str | Path) -> str:
-    """The key results of a finished run folder, a few lines for the end of `expertize upcycle`; for the folder of
-    a recipe's variants, their table (variants.md)."""
+    """The key results of a finished run folder, a few lines for the end of `expertize upcycle`, each followed by
+    what a good and a bad value look like (evaluation/reading.py); for the folder of a recipe's variants, their
+    table (variants.md)."""
+    from .evaluation.reading import reading_lines
+
     folder = Path(folder)
     table = folder / VARIANTS_TABLE
     if not (folder / METRICS).is_file() and table.is_file():
         return table.read_text(encoding="utf-8").rstrip("\n")
-    return "\n".join(f"expertize: {line}" for line in load_metrics(folder).summary_lines())
+    metrics = load_metrics(folder)
+    guide = reading_lines(metrics)
+    lines = metrics.summary_lines() + (["how to read these:"] + [f"  {line}" for line in guide] if guide else [])
+    return "\n".join(f"expertize: {line}" for line in lines)
 
 
 def _is_main_rank() -> bool:

@@ -170,7 +170,7 @@ def quickstart(tmp_path_factory):
     os.environ.setdefault("EXPERTIZE_DATA", str(data))
     out = tmp_path_factory.mktemp("qs") / "quickstart"
     assert cli_main(["upcycle", "quickstart", "--no-progress", "--set", f"output_dir={out}",
-                     "--set", "data.train_tokens=16384", "--set", "data.eval_tokens=4096",
+                     "--set", "data.train_tokens=8192", "--set", "data.eval_tokens=2048",
                      "--set", "eval.generation_prompts=4"]) == 0
     return out, data
 
@@ -296,3 +296,26 @@ def test_capture_specialize_and_tasks_draw_progress_bars(tiny_run, capsys):
     assert cli_main(["tasks", str(text), "--name", "d", "--output", str(tmp_path / "tasks"), "--no-progress",
                      "--max-tokens", "512"]) == 0
     assert "cloze items" not in capsys.readouterr().err
+
+
+# -- 8. results a newcomer can read -------------------------------------------------------------------------------
+
+
+def test_the_summary_says_what_good_and_bad_values_look_like(quickstart):
+    """The end of `expertize upcycle` grades ΔCE, FVU and dead units against stated bounds and explains the greedy
+    match. Before: "greedy continuations identical to base: 0.00%" and "dead 49%" with no word on either."""
+    from expertize.conversion.evaluation.reading import GRADES
+    from expertize.conversion.upcycle import upcycle_summary
+
+    model, _ = quickstart
+    metrics = json.loads((model / "metrics.json").read_text())
+    summary = upcycle_summary(model)
+    assert "expertize: how to read these:" in summary
+    delta, dead = metrics["ce"]["delta"], metrics["layers"]["2"]["dead_fraction"]
+    grade = "good" if delta < GRADES["ΔCE"][0] else "poor" if delta > GRADES["ΔCE"][1] else "fair"
+    assert f"ΔCE {delta:+.3f} nats is {grade}: " in summary and "0 = lossless" in summary
+    assert f"layer 2: {dead:.0%} dead is " in summary and "a few % is healthy" in summary
+    curve = metrics["generation"]["match_curve"]
+    agree = next((i for i, share in enumerate(curve) if share < 0.5), len(curve))
+    assert f"whole {len(curve)}-token continuation equals the base's" in summary
+    assert f"at least half agree for the first {agree} token(s)" in summary
