@@ -8,7 +8,7 @@ from .configuration_expertize import (
     ExpertizeQwen2Config,
     MlpShape,
 )
-from .modeling_expertize import FAMILIES, ExpertizeModelMixin, Family
+from .modeling_expertize import FAMILIES, ExpertizeModelMixin, Family, register_auto_classes
 from .moe_x import MoeXLayer, MoeXRouting, MoeXSpec
 from .monet import (
     MonetHDLayer,
@@ -25,6 +25,8 @@ from .routed_neurons import RoutedNeuronsLayer, RoutedNeuronsSpec
 from .sparse_base import SparseCode, SparseLayer, SparseSpec
 from .sparse_layers import LAYER_KINDS, build_sparse_layer, spec_from_dict
 from .transcoder import SkipTranscoderSpec, TranscoderLayer, TranscoderSpec
+
+register_auto_classes()
 
 __all__ = [
     "FAMILIES",

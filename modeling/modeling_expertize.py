@@ -6,12 +6,17 @@ Part of the Hub bundle (`save_pretrained` copies this file and its single-dot im
 """
 
 import contextlib
+import functools
+import inspect
 from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
 from torch import nn
 from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
     GPT2LMHeadModel,
     GPT2Model,
     GPTNeoXForCausalLM,
@@ -44,6 +49,54 @@ from .sparse_layers import build_sparse_layer
 from .transcoder import TranscoderLayer  # noqa: F401
 
 
+def _native_forward_signature(native_forward) -> inspect.Signature:
+    """The native forward's signature plus the keyword `output_router_logits` (before `**kwargs`)."""
+    signature = inspect.signature(native_forward)
+    params = list(signature.parameters.values())
+    if "output_router_logits" not in signature.parameters:
+        extra = inspect.Parameter("output_router_logits", inspect.Parameter.KEYWORD_ONLY, default=None)
+        at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
+        params.insert(at, extra)
+    return signature.replace(parameters=params)
+
+
+def expose_native_forward(cls: type) -> type:
+    """Give `cls` a forward whose signature is its native parent's (plus `output_router_logits`).
+
+    transformers and its clients read the forward signature to decide what to pass: `generate()` builds
+    `position_ids` from the attention mask only if the forward takes them (left-padded batches of absolute-position
+    families otherwise decode at shifted positions), asks for `logits_to_keep`, builds a default attention mask and
+    validates model kwargs; `Trainer` keeps only dataset columns the forward names; PEFT and the pipelines inspect
+    it too. The mixins' `forward(*args, **kwargs)` would hide all of that, so each class gets a thin wrapper that
+    carries the native signature and docstring and calls the mixin's forward.
+    """
+    native = next(base for base in cls.__mro__ if not issubclass(base, ExpertizeModelMixin) and "forward" in vars(base))
+    mixin_forward = cls.forward
+
+    @functools.wraps(native.forward)
+    def forward(self, *args, **kwargs):
+        return mixin_forward(self, *args, **kwargs)
+
+    forward.__signature__ = _native_forward_signature(native.forward)
+    forward.__doc__ = (native.forward.__doc__ or "") + (mixin_forward.__doc__ or "")
+    cls.forward = forward
+    return cls
+
+
+def _register_output_capture(model: nn.Module) -> None:
+    """Record `model`'s (re-classed) class in transformers' output-capture registry.
+
+    transformers 5 keys `_can_record_outputs` by the instance's class name when a model is constructed; a base model
+    re-classed after its `__init__` (`_adopt_base_model`) would otherwise find no entry, and `output_hidden_states` /
+    `output_attentions` would silently return None in a process that never built that class directly.
+    """
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # transformers 4.x: the forward itself collects hidden states and attentions
+        return
+    _CAN_RECORD_REGISTRY[model] = model._can_record_outputs
+
+
 class ExpertizeModelMixin:
     """Shared by every family's base model and causal LM."""
 
@@ -57,6 +110,14 @@ class ExpertizeModelMixin:
             module.reset_parameters()  # uses torch.nn.init, which transformers guards against re-initializing loads
         else:
             super()._init_weights(module)
+
+    def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
+        # transformers treats classes outside its package as custom code and then skips a module whose own
+        # parameters are all flagged as initialized, in case its `_init_weights` writes tensors in place. That skip
+        # also drops inits a parent module does for its children — GPT-2's 1/√(2·n_layer) c_proj scaling, done in
+        # GPT2Attention / GPT2MLP — on the lazy (meta-device) path. Every init here goes through torch.nn.init or
+        # transformers' init functions, which never overwrite loaded weights, so the native rule applies.
+        super()._initialize_weights(module, is_custom_code=False)
 
     def decoder_blocks(self) -> nn.ModuleList:
         return self.get_submodule(self._blocks_path)
@@ -175,6 +236,7 @@ class ExpertizeCausalLMMixin(ExpertizeModelMixin):
         # nested PreTrainedModel with *its* `_init_weights`, which must know the sparse layers.
         base = getattr(self, self._base_attr)
         base.__class__ = self._base_class
+        _register_output_capture(base)
         base._inside_causal_lm = True
         base._install_sparse_layers()
         self.post_init()
@@ -336,7 +398,21 @@ FAMILIES: dict[str, Family] = {
 }
 
 for _config_cls, _base_cls, _causal_cls in FAMILIES.values():
+    expose_native_forward(_base_cls)
+    expose_native_forward(_causal_cls)
     _base_cls._auto_map = _causal_cls._auto_map = _auto_map(_config_cls, _base_cls, _causal_cls)
+    # Saved folders point the Auto classes at these files (auto_map).
     _config_cls.register_for_auto_class()
     _base_cls.register_for_auto_class("AutoModel")
     _causal_cls.register_for_auto_class("AutoModelForCausalLM")
+
+
+def register_auto_classes() -> None:
+    """Register every family with AutoConfig / AutoModel / AutoModelForCausalLM in this process, so that
+    `AutoModelForCausalLM.from_config(ExpertizeLlamaConfig(...))` works. Called when `expertize.modeling` is imported;
+    not when transformers loads these files as a folder's remote code (a model type registered from there would let
+    a later `trust_remote_code=False` load run the custom code without asking)."""
+    for config_cls, base_cls, causal_cls in FAMILIES.values():
+        AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
+        AutoModel.register(config_cls, base_cls, exist_ok=True)
+        AutoModelForCausalLM.register(config_cls, causal_cls, exist_ok=True)

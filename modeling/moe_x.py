@@ -40,7 +40,10 @@ layout of transformers' MoE experts (`down_proj (E, H, I)`) and peft's default f
 Dispatch is dropless: assignments are sorted by expert and each expert runs one matmul over its tokens. The output
 is decoded from those expert-grouped codes while interventions and the code hook leave the code untouched; edited
 values (ablation, a hook, in place or not) are regrouped by expert first; changed units (steering, a hook) fall back
-to gathering the listed units' decoder columns (`decoder_rows`, a copy of W_dec).
+to gathering the listed units' decoder columns (`decoder_rows`, a copy of W_dec), as do inference-mode forwards
+(their tensors carry no version counter, so in-place edits cannot be seen). The grouped dispatch needs the expert
+counts on the host; under torch.compile / torch.export every expert runs on every token instead (`_dense_code`: no
+data-dependent shapes, M/K times the expert FLOPs), so compiled graphs have no break.
 """
 
 import dataclasses
@@ -205,15 +208,6 @@ class _Dispatch(NamedTuple):
     counts: list[int]  # (M,) assignments per expert
 
 
-class _Hidden(NamedTuple):
-    index: torch.Tensor  # (T, K·D) unit ids of the code as built (before interventions / hook)
-    weights: torch.Tensor  # (T, K·D) its values
-    versions: tuple[int, int]  # (index, weights)._version when built: in-place edits (nnsight's setitem) bump them
-    scaled_sorted: torch.Tensor  # (T·K, D) the same values grouped by expert
-    routing: MoeXRouting
-    dispatch: _Dispatch
-
-
 class _PermuteRows(torch.autograd.Function):
     """rows[perm] for a permutation `perm` with inverse `inv`: the backward is the gather grad[inv], not the
     zero-fill + scatter-add that advanced indexing's backward does (it cannot know the index is a permutation)."""
@@ -348,7 +342,8 @@ class MoeXLayer(SparseLayer):
             counted = top_k_index[:, 0]  # (T,) the argmax expert (Eq. 20)
         else:
             counted = top_k_index.reshape(-1)  # (T·K,) every assignment
-        f = torch.bincount(counted, minlength=M).to(P.dtype) / max(counted.numel(), 1)  # (M,) fraction routed
+        # (M,) fraction routed; a scatter, not bincount, so that the shape never depends on the data (torch.compile)
+        f = P.new_zeros(M).index_add_(0, counted, P.new_ones(counted.shape)) / max(counted.numel(), 1)
         return M * (f * P).sum()
 
     # -- experts --------------------------------------------------------------------------------------------------
@@ -387,49 +382,81 @@ class MoeXLayer(SparseLayer):
         y = _PermuteRows.apply(y_sorted, dispatch.inverse, dispatch.order)  # (T·K, O)
         return y.view(-1, self.spec.k, self.spec.d_out).sum(dim=1)  # (T, O)
 
-    def _run(self, x: torch.Tensor) -> tuple[SparseCode, _Hidden]:
-        """Route, run the selected experts and build the scaled code (after interventions and the hook). x (T, I)."""
+    def _grouped_code(self, x: torch.Tensor, routing: MoeXRouting, dispatch: _Dispatch):
+        """Run the selected experts, one matmul per expert over its tokens. x (T, I) -> the code's unit ids and
+        values (T, K·D) each, and the same values grouped by expert (T·K, D), which `_decode_sorted` reads."""
         T, K, D = x.shape[0], self.spec.k, self.spec.d_expert
-        routing = self.route(x)
-        dispatch = self._dispatch(routing.top_k_index)
         # (T, I) -> (T·K, I) one row per assignment -> grouped by expert; repeat's backward is a sum over K.
         x_sorted = _PermuteRows.apply(x.repeat_interleave(K, dim=0), dispatch.order, dispatch.inverse)
         gates_sorted = routing.top_k_weights.reshape(-1)[dispatch.order]  # (T·K,)
         scaled_sorted = self._expert_hidden(x_sorted, dispatch.counts) * gates_sorted.unsqueeze(-1)  # ω_j zʲ
         weights = _PermuteRows.apply(scaled_sorted, dispatch.inverse, dispatch.order).view(T, K * D)  # per token
-        offsets = torch.arange(D, device=x.device)
-        index = (routing.top_k_index.unsqueeze(-1) * D + offsets).view(T, K * D)  # unit ids j·D + h
-        hidden = _Hidden(index, weights, (index._version, weights._version), scaled_sorted, routing, dispatch)
-        return self.code_hook(self._intervene_on_code(index, weights)), hidden
+        return self._unit_ids(routing), weights, scaled_sorted
+
+    def _dense_code(self, x: torch.Tensor, routing: MoeXRouting) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same code with no data-dependent shapes (for torch.compile / torch.export): every expert runs on every
+        token and the selected experts' units are gathered. x (T, I) -> unit ids and values (T, K·D) each.
+        M/K times the expert FLOPs of `_grouped_code`, and no host synchronization."""
+        T, K, D = x.shape[0], self.spec.k, self.spec.d_expert
+        W_enc = self.W_enc.unbind(0)
+        b_enc = (None,) * self.spec.num_experts if self.b_enc is None else self.b_enc.unbind(0)
+        W_up = None if self.W_up is None else self.W_up.unbind(0)
+        b_up = (None,) * self.spec.num_experts if self.b_up is None else self.b_up.unbind(0)
+        hidden = []
+        for j in range(self.spec.num_experts):
+            z = self.act(F.linear(x, W_enc[j], b_enc[j]))  # (T, D)
+            if W_up is not None:
+                z = z * F.linear(x, W_up[j], b_up[j])
+            hidden.append(z)
+        z = torch.stack(hidden, dim=1).gather(1, routing.top_k_index.unsqueeze(-1).expand(-1, -1, D))  # (T, K, D)
+        weights = (z * routing.top_k_weights.unsqueeze(-1)).reshape(T, K * D)
+        return self._unit_ids(routing), weights
+
+    def _unit_ids(self, routing: MoeXRouting) -> torch.Tensor:
+        """Unit ids j·D + h of the selected experts' hidden units: (T, K·D)."""
+        D = self.spec.d_expert
+        offsets = torch.arange(D, device=routing.top_k_index.device)
+        return (routing.top_k_index.unsqueeze(-1) * D + offsets).flatten(1)
 
     # -- public API -----------------------------------------------------------------------------------------------
 
     def encode(self, x: torch.Tensor) -> SparseCode:
         """The scaled hidden code concat_j(ω_j zʲ) as (unit id, value) pairs: (..., I) -> (..., K·D)."""
         lead = x.shape[:-1]
-        code = self._run(x.reshape(-1, x.shape[-1]))[0]
-        return SparseCode(code.top_k_index.view(*lead, -1), code.top_k_weights.view(*lead, -1))
+        x = x.reshape(-1, x.shape[-1])  # (T, I)
+        routing = self.route(x)
+        if torch.compiler.is_compiling():
+            index, weights = self._dense_code(x, routing)
+        else:
+            index, weights, _ = self._grouped_code(x, routing, self._dispatch(routing.top_k_index))
+        return self._hook_code(index, weights, lead)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         lead = hidden_states.shape[:-1]
         x = hidden_states.reshape(-1, hidden_states.shape[-1])  # (T, I)
-        code, hidden = self._run(x)
-        routing, dispatch = hidden.routing, hidden.dispatch
+        routing = self.route(x)
         if self.wants_router_outputs:
             aux = self.spec.load_balance_coef * self.load_balance_loss(routing.router_logits, routing.top_k_index)
             self._set_router_outputs(routing.router_logits, aux)
-        same_units = code.top_k_index is hidden.index and hidden.index._version == hidden.versions[0]
-        same_values = code.top_k_weights is hidden.weights and hidden.weights._version == hidden.versions[1]
+        if torch.compiler.is_compiling():
+            index, weights = self._dense_code(x, routing)
+            code, _, _ = self._hook_code_tracked(index, weights, lead)
+            out = sparse_rows_sum(code, self.decoder_rows())
+            return (out + self.b_dec).view(*lead, -1)
+        dispatch = self._dispatch(routing.top_k_index)
+        index, weights, scaled_sorted = self._grouped_code(x, routing, dispatch)
+        code, same_units, same_values = self._hook_code_tracked(index, weights, lead)  # code: (T, K·D)
         if same_units and same_values:
             # The code is untouched: decode the expert-grouped codes directly (the per-token copy is left unused).
-            out = self._decode_sorted(hidden.scaled_sorted, dispatch)
+            out = self._decode_sorted(scaled_sorted, dispatch)
         elif same_units:
             # Same units, edited values (ablation, a hook): regroup the edited values by expert.
             edited = code.top_k_weights.reshape(-1, self.spec.d_expert)  # (T·K, D)
             w_sorted = _PermuteRows.apply(edited, dispatch.order, dispatch.inverse)
             out = self._decode_sorted(w_sorted, dispatch)
         else:
-            # Steering or a hook changed which units are listed: gather each listed unit's decoder column.
+            # Steering or a hook changed which units are listed, or edits cannot be seen (inference-mode tensors):
+            # gather each listed unit's decoder column.
             out = sparse_rows_sum(code, self.decoder_rows())
         return (out + self.b_dec).view(*lead, -1)
 

@@ -336,12 +336,18 @@ class MonetLayer(SparseLayer):
         merged_ids = torch.zeros_like(ids).scatter(-1, run, ids)  # every member of a run writes the same id
         merged_w, order = merged_w.sort(dim=-1, descending=True)
         merged_ids = merged_ids.gather(-1, order)
+        if torch.compiler.is_compiling():
+            return merged_ids, merged_w  # static width R·K1·K2 (zero-weight padding included): no host sync
         width = max(1, int((merged_w > 0).sum(-1).max())) if T else 1
         return merged_ids[:, :width], merged_w[:, :width]  # (T, P)
 
     def _code_width(self, gates: torch.Tensor) -> int:
+        """Sub-experts per head to read off the gates: k for top-k routing; for quantile routing the most any token
+        selected (a host sync), or all S under torch.compile / torch.export (zero-weight padding, static shapes)."""
         if self.spec.routing == "topk":
             return self.spec.k
+        if torch.compiler.is_compiling():
+            return self.spec.num_sub_experts
         return max(1, int((gates > 0).sum(-1).max())) if gates.shape[0] else 1  # data-dependent: a host sync
 
     # -- code, forward ------------------------------------------------------------------------------------------
@@ -350,8 +356,7 @@ class MonetLayer(SparseLayer):
         """Active product experts (ids i·S + j) and their head-summed gates G_ij: (..., I) -> (..., P)."""
         lead = x.shape[:-1]
         index, weights = self._product_code(self.route(x.reshape(-1, x.shape[-1])))
-        code = self.code_hook(self._intervene_on_code(index, weights))
-        return SparseCode(code.top_k_index.view(*lead, -1), code.top_k_weights.view(*lead, -1))
+        return self._hook_code(index, weights, lead)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         lead = hidden_states.shape[:-1]
@@ -363,15 +368,9 @@ class MonetLayer(SparseLayer):
             logits = torch.cat([routing.logits1.flatten(1), routing.logits2.flatten(1)], dim=-1)  # (T, 2·R·S)
             self._set_router_outputs(logits, aux)
         index, weights = self._product_code(routing)  # (T, P)
-        stamp = (index._version, weights._version)
-        code = self.code_hook(self._intervene_on_code(index, weights))
-        edited = (
-            code.top_k_index is not index
-            or code.top_k_weights is not weights
-            or (index._version, weights._version) != stamp  # edited in place by a hook
-        )
+        code, same_units, same_values = self._hook_code_tracked(index, weights, lead)  # code: (T, P')
         hidden = self._hidden(x)
-        if edited:
+        if not (same_units and same_values):  # an intervention or a hook edited the code (or edits cannot be seen)
             S = self.spec.num_sub_experts
             ids, w = code.top_k_index, code.top_k_weights.to(self.b_dec.dtype)
             mix = self._mix_code(hidden, ids // S, ids % S, w)

@@ -422,8 +422,7 @@ class MuMoELayer(SparseLayer):
         a = entmax15(logits) if self.spec.gate_activation == "entmax15" else logits.softmax(dim=-1)  # (T, N)
         self._set_router_outputs(logits if self.record_router_outputs else None, None)
         index = torch.arange(a.shape[-1], device=a.device).expand_as(a)  # (T, N)
-        code = self.code_hook(self._intervene_on_code(index, a))
-        return SparseCode(code.top_k_index.reshape(*lead, -1), code.top_k_weights.reshape(*lead, -1))
+        return self._hook_code(index, a, lead)
 
     def coefficients(self, code: SparseCode) -> torch.Tensor:
         """Dense coefficients a from (index, weight) pairs, summing repeated ids (steering): (T, K) -> (T, N)."""
@@ -448,7 +447,7 @@ class MuMoELayer(SparseLayer):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         lead = hidden_states.shape[:-1]
         x = hidden_states.reshape(-1, hidden_states.shape[-1])  # (T, I)
-        code = self.encode(x)  # (T, N) (+ steered ids)
+        code = self.encode(hidden_states).flat()  # (T, N) (+ steered ids); the hook saw (..., N)
         a = self.coefficients(code).to(x.dtype)  # (T, N)
         out = self.mumoe_out(a, self.hidden(x, a)) + self.b_dec  # (T, O)
         return out.view(*lead, -1)

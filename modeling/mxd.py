@@ -185,8 +185,7 @@ class MxdLayer(SparseLayer):
         x = x.reshape(-1, x.shape[-1])  # (T, I)
         # = relu_topk(self.gate_logits(x), k), with a backward over the K selected gate rows only (no dense (T, N) grad)
         values, index = _LinearReluTopK.apply(x, self.W_gate, self.b_gate, self._sample_k(self.spec.k))  # (T, K) each
-        code = self.code_hook(self._intervene_on_code(index, values))
-        return SparseCode(code.top_k_index.view(*lead, -1), code.top_k_weights.view(*lead, -1))
+        return self._hook_code(index, values, lead)
 
     def _sample_k(self, k: int) -> int:
         if not (self.training and self.spec.random_k):
@@ -198,7 +197,7 @@ class MxdLayer(SparseLayer):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         lead = hidden_states.shape[:-1]
         x = hidden_states.reshape(-1, hidden_states.shape[-1])  # (T, I)
-        code = self.encode(x)  # (T, K)
+        code = self.encode(hidden_states).flat()  # (T, K); the hook saw (..., K)
         mix = sparse_rows_sum(code, self.W_experts)  # Cᵀa: (T, O)
         out = mix * (self.hidden(x) @ self.W_dec) + self.b_dec  # (T, O)
         return out.view(*lead, -1)

@@ -218,8 +218,7 @@ class RoutedNeuronsLayer(SparseLayer):
         logits = self.router_logits_of(x)  # (T, N)
         top_logits, index = logits.topk(self.spec.k, dim=-1, sorted=False)  # (T, K) each
         self._set_router_outputs(logits if self.record_router_outputs else None, None)
-        code = self.code_hook(self._intervene_on_code(index, top_logits.softmax(dim=-1)))
-        return SparseCode(code.top_k_index.reshape(*lead, -1), code.top_k_weights.reshape(*lead, -1))
+        return self._hook_code(index, top_logits.softmax(dim=-1), lead)
 
     def neuron_activations(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """h = φ(w_idx · x + b_idx) of the selected neurons only: (T, I), (T, K) -> (T, K)."""
@@ -231,7 +230,7 @@ class RoutedNeuronsLayer(SparseLayer):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         lead = hidden_states.shape[:-1]
         x = hidden_states.reshape(-1, hidden_states.shape[-1])  # (T, I)
-        code = self.encode(x)  # (T, K) (+ steered ids)
+        code = self.encode(hidden_states).flat()  # (T, K) (+ steered ids); the hook saw (..., K)
         h = self.neuron_activations(x, code.top_k_index)  # (T, K)
         out = sparse_rows_sum(SparseCode(code.top_k_index, code.top_k_weights * h), self.W_dec)  # Σ_k g_k h_k u_k
         if self.W_shared_enc is not None:

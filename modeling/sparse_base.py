@@ -25,11 +25,20 @@ class SparseCode(NamedTuple):
     top_k_weights: torch.Tensor
     """(..., K) their coefficients (post-activation, post-TopK)."""
 
+    def flat(self) -> "SparseCode":
+        """The same code with the leading dims flattened: (..., K) -> (T, K)."""
+        return SparseCode(
+            self.top_k_index.reshape(-1, self.top_k_index.shape[-1]),
+            self.top_k_weights.reshape(-1, self.top_k_weights.shape[-1]),
+        )
+
 
 class CodeHook(nn.Module):
     """Identity on the `SparseCode`.
 
     A stable module path (`...mlp.code_hook`) whose forward output hooks, nnsight and SAE tooling can read and replace.
+    The code it sees has the layer input's leading shape, e.g. (batch, seq, K) inside a model, like the module's own
+    output (batch, seq, d_out).
     """
 
     def forward(self, code: SparseCode) -> SparseCode:
@@ -278,6 +287,41 @@ class SparseLayer(nn.Module):
             yield self
         finally:
             self._steering, self._ablated = saved
+
+    def _hook_code(self, index: torch.Tensor, weights: torch.Tensor, lead: tuple[int, ...]) -> SparseCode:
+        """Interventions, then `code_hook` at the input's leading shape: (T, K) each -> the code (*lead, K')."""
+        code = self._intervene_on_code(index, weights)
+        return self.code_hook(SparseCode(code.top_k_index.reshape(*lead, -1), code.top_k_weights.reshape(*lead, -1)))
+
+    def _hook_code_tracked(
+        self, index: torch.Tensor, weights: torch.Tensor, lead: tuple[int, ...]
+    ) -> tuple[SparseCode, bool, bool]:
+        """`_hook_code` for layers that decode faster from their own internal form while the code is untouched.
+
+        Returns (the code flattened to (T, K'), same_units, same_values): whether the code's units / values are still
+        `index` / `weights` — no intervention and no hook replaced or edited them (in place too: nnsight's setitem
+        bumps the version counter). Where edits cannot be seen — under torch.compile / torch.export, or for
+        inference-mode tensors, which carry no version counter — both are False, so the caller decodes whatever the
+        code holds (its general path, which is also free of host synchronizations).
+        """
+        code = self._intervene_on_code(index, weights)
+        shown = SparseCode(code.top_k_index.reshape(*lead, -1), code.top_k_weights.reshape(*lead, -1))
+        trackable = not (
+            torch.compiler.is_compiling() or shown.top_k_index.is_inference() or shown.top_k_weights.is_inference()
+        )
+        stamp = (shown.top_k_index._version, shown.top_k_weights._version) if trackable else None
+        out = self.code_hook(shown)
+        if not trackable:
+            return out.flat(), False, False
+        same_units = (
+            code.top_k_index is index and out.top_k_index is shown.top_k_index and out.top_k_index._version == stamp[0]
+        )
+        same_values = (
+            code.top_k_weights is weights
+            and out.top_k_weights is shown.top_k_weights
+            and out.top_k_weights._version == stamp[1]
+        )
+        return out.flat(), same_units, same_values
 
     def _intervene_on_code(self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> SparseCode:
         # top_k_index, top_k_weights: (T, K)

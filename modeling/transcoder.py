@@ -145,13 +145,12 @@ class TranscoderLayer(SparseLayer):
         lead = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])  # (T, I)
         values, index = relu_topk(F.linear(x, self.W_enc, self.b_enc), self.spec.k)  # (T, K)
-        code = self.code_hook(self._intervene_on_code(index, values))
-        return SparseCode(code.top_k_index.view(*lead, -1), code.top_k_weights.view(*lead, -1))
+        return self._hook_code(index, values, lead)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         lead = hidden_states.shape[:-1]
         x = hidden_states.reshape(-1, hidden_states.shape[-1])  # (T, I)
-        out = sparse_rows_sum(self.encode(x), self.W_dec) + self.b_dec  # (T, O)
+        out = sparse_rows_sum(self.encode(hidden_states).flat(), self.W_dec) + self.b_dec  # (T, O)
         if self.W_skip is not None:
             out = out + F.linear(x, self.W_skip)
         return out.view(*lead, -1)

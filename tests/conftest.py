@@ -90,8 +90,9 @@ def tokenizer():
     return tiny_tokenizer()
 
 
-def run_isolated(code: str, tmp_path: Path, timeout: int = 240) -> str:
-    """Run `code` in a fresh interpreter that must not import expertize, offline, with its own modules cache.
+def run_isolated(code: str, tmp_path: Path, timeout: int = 240, args: tuple[str, ...] = ()) -> str:
+    """Run `code` (with `args` as sys.argv[1:]) in a fresh interpreter that must not import expertize, offline, with
+    its own modules cache.
 
     Returns stdout; fails the test with the child's stderr on a non-zero exit.
     """
@@ -112,7 +113,7 @@ def run_isolated(code: str, tmp_path: Path, timeout: int = 240) -> str:
         TOKENIZERS_PARALLELISM="false",
     )
     result = subprocess.run(
-        [sys.executable, "-c", guard + textwrap.dedent(code)],
+        [sys.executable, "-c", guard + textwrap.dedent(code), *args],
         capture_output=True,
         text=True,
         env=env,
