@@ -232,19 +232,22 @@ def _specialize(args: argparse.Namespace) -> int:
 
     settings = SpecializationSettings(ratio=args.ratio, seed=args.seed, probe_ks=args.probe_k,
                                       probe_top=args.probe_top, steer_scale=args.steer_scale,
-                                      batch_size=args.batch_size)
+                                      batch_size=args.batch_size, bootstrap=args.bootstrap,
+                                      full_forward=args.full_forward)
     if not 0 < args.eval_fraction < 1:
         from .specialization import SpecializationError
 
         raise SpecializationError(f"--eval-fraction must be between 0 and 1, got {args.eval_fraction}; e.g. 0.3")
     device = resolve_device(args.device, "--device")
     corpora = parse_corpora(args.corpus)
+    eval_corpora = parse_corpora(args.eval_corpus, flag="--eval-corpus")
     if args.json:
         check_output_location(args.json, what="--json", file=True)
     report = specialize_folder(
         args.model_dir, corpora, settings, layer=args.layer, fit_tokens=args.tokens,
         eval_tokens=args.eval_tokens, context_length=args.context_length, eval_fraction=args.eval_fraction,
-        base=args.base, device=device, progress=not args.no_progress,
+        base=args.base, device=device, progress=not args.no_progress, eval_corpora=eval_corpora,
+        document_tokens=args.document_tokens,
     )
     print(report.format())
     if args.json:
@@ -274,6 +277,17 @@ def _add_specialize(sub) -> None:
     sp.add_argument("--eval-tokens", type=at_least(2, "tokens"), default=8_192,
                     help="held-out tokens per domain (default 8192)")
     sp.add_argument("--eval-fraction", type=float, default=0.3, help="documents held out (default 0.3)")
+    sp.add_argument("--eval-corpus", action="append", default=[], metavar="NAME=PATH",
+                    help="an explicit held-out file for domain NAME: its --corpus is then all fit, this file all eval "
+                    "(instead of the hash split); repeat per domain")
+    sp.add_argument("--document-tokens", type=positive_int, default=None,
+                    help="at most this many tokens from each document, so a budget spreads over more documents "
+                    "(narrower, more trustworthy intervals; default: whole documents)")
+    sp.add_argument("--bootstrap", type=at_least(0, "replicates"), default=1000,
+                    help="bootstrap replicates over eval documents for the intervals (default 1000; 0: none)")
+    sp.add_argument("--full-forward", action="store_true",
+                    help="measure every masking / steering condition by a full forward (default: replay only the "
+                    "blocks from the sparse layer up, bit for bit the same CE)")
     sp.add_argument("--context-length", type=at_least(2, "tokens per context"), default=128,
                     help="tokens per context, at most the model's positions (default 128)")
     sp.add_argument("--ratio", type=positive_float, default=2.0, help="assignment ratio of Monet's rule (default 2)")

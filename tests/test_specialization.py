@@ -9,8 +9,10 @@ import torch
 
 from expertize.conversion.cli import main
 from expertize.conversion.specialization import (
-    SpecializationSettings, assign_units, binary_f1, content_mask, domain_masking, in_eval, mean_ce, probe_domains,
-    random_live_units, select_units, specialize, specificity, split_documents,
+    Estimate, SpecializationSettings, SuffixRunner, assign_units, binary_f1, condition_ce, content_mask,
+    document_weights, in_eval, masking_rows, mean_ce, pack_with_documents, plan_masking, probe_domains,
+    random_live_units, select_units, significant, specialize, specificity, split_corpora, split_documents,
+    weighted_f1,
 )
 from expertize.conversion.surgery.splice import save_model, splice
 from expertize.modeling import TranscoderSpec, build_sparse_layer
@@ -92,12 +94,19 @@ def test_ablating_a_domain_unit_raises_ce_on_its_domain_only():
 
     rates = torch.tensor([[1.0, 0.0, 0, 0, 0, 0], [0.0, 1.0, 0, 0, 0, 0]], dtype=torch.float64)
     live = torch.tensor([True, True, False, False, False, False])
-    rows = domain_masking(model, layer, rates, live, held, ratio=2.0, seed=0)
+    plan = plan_masking(rates, live, ratio=2.0, seed=0)
+    runner, docs = SuffixRunner(model, 0), torch.arange(6)[:, None].expand(6, 16)
+    ce = [condition_ce(runner, layer, s, docs, plan.conditions()) for s in held.values()]
+    for c, n in zip(ce, held):  # the per-document sums add up to the full forward's mean CE
+        assert float(c.base.sum() / c.tokens.sum()) == pytest.approx(base[n], rel=1e-12)
+    rows = masking_rows(list(held), plan, ce, [document_weights(c.documents, 200, 0) for c in ce])
     assert [(r.domain, r.units) for r in rows] == [("low", 1), ("high", 1)]
     for r in rows:
-        assert r.delta_target > 0.05 and r.delta_others == pytest.approx(0.0, abs=1e-12)
-        assert r.specificity == float("inf")
-        assert r.random_delta_target >= 0 or r.random_delta_others >= 0  # one of the two live units, seeded
+        assert r.delta_target.value > 0.05 and r.delta_target.low > 0.05
+        assert r.delta_others.value == pytest.approx(0.0, abs=1e-12)
+        assert r.specificity.value == float("inf")
+        # the control is one of the two live units, seeded: here the domain's own unit, so the figure is n.s.
+        assert r.random_specificity.value == float("inf") and not r.significant
 
 
 def test_specialize_end_to_end_finds_the_domains_and_is_deterministic():
@@ -108,10 +117,11 @@ def test_specialize_end_to_end_finds_the_domains_and_is_deterministic():
     assert [r.units for r in report.masking] == [1, 1] and report.live_units == 2
     summary = report.summary()
     assert summary["specificity"] == float("inf") and summary["dead_fraction"] == pytest.approx(4 / 6)
-    assert report.probing.best_1d == {"low": 1.0, "high": 1.0}  # latent 0 / 1 separate the domains exactly
+    assert {d: report.probing.value("best_1d", d) for d in fit} == {"low": 1.0, "high": 1.0}  # exact separation
     assert report.probing.selected["low"][0] == 0 and report.probing.selected["high"][0] == 1
     assert [r.unit for r in report.steering] == [0, 1]
-    assert all(r.drop_target > r.drop_others for r in report.steering)  # steering toward the domain helps it more
+    assert all(r.drop_target.value > r.drop_others.value for r in report.steering)  # toward the domain helps it more
+    assert report.documents == {"low": 6, "high": 6}  # without document ids every context is its own document
     again = specialize(domain_model(), fit, held, special_ids=[1, 2], settings=settings)
     assert json.dumps(again.to_json(), sort_keys=True) == json.dumps(report.to_json(), sort_keys=True)
     assert "specificity" in report.format()
@@ -153,8 +163,26 @@ def test_probe_selection_and_f1_match_brute_force():
             probe.fit(((xtr - mean) / std).numpy(), ytr)
             return f1_score(yte, probe.predict(((xte - mean) / std).numpy()), zero_division=0.0)
 
-        assert result.best_1d[name] == pytest.approx(max(f1([u]) for u in order))
-        assert result.k_sparse[2][name] == pytest.approx(f1(order[:2]))
+        assert result.value("best_1d", name) == pytest.approx(max(f1([u]) for u in order))
+        assert result.value("k2", name) == pytest.approx(f1(order[:2]))
+
+    # Bootstrap replicates weight each test context by its draw count: F1 with sample weights, replicate by replicate.
+    weights = document_weights(10, 50, seed=3)  # every test context its own document
+    candidates = torch.zeros(12, dtype=torch.bool)
+    candidates[[0, 1, 2]] = True  # the random control draws from these only
+    result = probe_domains(x[train], label[train], x[test], label[test], ["a", "b"], ks=(1, 2), top=3,
+                           test_weights=weights, candidates=candidates)
+    yte = (label[test] == 1).numpy()
+    xtr, xte = x[train][:, order[:2]], x[test][:, order[:2]]
+    mean, std = xtr.mean(0), xtr.std(0)
+    probe = LogisticRegression(C=1.0, class_weight="balanced", max_iter=1000, random_state=0)
+    predicted = probe.fit(((xtr - mean) / std).numpy(), (label[train] == 1).numpy()).predict(((xte - mean) / std).numpy())
+    for r in (0, 1, 17, 50):
+        want = f1_score(yte, predicted, sample_weight=weights[r].numpy(), zero_division=0.0)
+        assert float(result.f1["k2"]["b"][r]) == pytest.approx(want)
+    assert result.estimate("k2", "b").low <= result.value("k2", "b") <= result.estimate("k2", "b").high
+    for name in ("a", "b"):  # the control's units are drawn among the candidates
+        assert sorted(result.random_selected[name]) == [0, 1, 2]
 
 
 def test_document_split_is_seeded_by_text_and_disjoint():
@@ -187,7 +215,8 @@ def test_cli_runs_end_to_end_and_writes_strict_json(tmp_path, capsys):
     report = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
     assert [r["units"] for r in report["masking"]] == [1, 1]
     assert report["summary"]["specificity"] is None  # +inf: the other domain's CE does not move at all
-    assert report["probing"]["best_1d"] == {"low": 1.0, "high": 1.0}
+    assert {d: v["value"] for d, v in report["probing"]["f1"]["best_1d"].items()} == {"low": 1.0, "high": 1.0}
+    assert report["masking"][0]["delta_target"]["ci"][0] > 0 and report["documents"]["low"] > 1
 
 
 def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
@@ -207,3 +236,94 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
         assert main(["specialize", *argv, "--context-length", "16"]) == 2  # the model has 64 positions
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_packing_keeps_each_tokens_document():
+    from expertize.conversion.data.text import DataConfig, pack_sequences
+
+    tok = tiny_tokenizer()
+    gen = torch.Generator().manual_seed(4)
+    docs = [" ".join(f"w{int(w)}" for w in torch.randint(0, 90, (int(n),), generator=gen))
+            for n in torch.randint(3, 30, (40,), generator=gen)]
+    ids, owner = pack_with_documents("d", docs, tok, tokens=200, context_length=16)
+    cfg = DataConfig(source="hub", name="in-memory", paths=[], context_length=16)
+    assert torch.equal(ids, torch.stack(list(pack_sequences(iter(docs), tok, cfg, "eval"))[: ids.shape[0]]))
+    assert ids.shape == owner.shape == (13, 16) and (owner[:, 0] == -1).all() and (ids[:, 0] == 1).all()  # BOS
+    flat_ids, flat_owner = ids[:, 1:].reshape(-1), owner[:, 1:].reshape(-1)
+    for d in range(int(flat_owner.max())):  # every document wholly seen: its words, then EOS
+        want = tok(docs[d], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        assert flat_ids[flat_owner == d].tolist() == want
+    # At most 4 tokens (and the EOS) per document: the same budget spreads over more documents.
+    capped_ids, capped = pack_with_documents("d", docs, tok, tokens=200, context_length=16, document_tokens=4)
+    assert int(capped.max()) > 2 * int(owner.max())
+    assert all(int((capped == d).sum()) <= 5 for d in range(int(capped.max())))
+    with pytest.raises(Exception, match="at least 1"):
+        pack_with_documents("d", docs, tok, tokens=200, context_length=16, document_tokens=0)
+
+
+def test_intervals_resample_documents_and_flag_what_the_control_explains():
+    from expertize.conversion.specialization.bootstrap import mean_change
+
+    w = document_weights(7, 400, seed=1)
+    assert w.shape == (401, 7) and (w[0] == 1).all() and (w.sum(1) == 7).all()
+    assert torch.equal(w, document_weights(7, 400, seed=1)) and not torch.equal(w, document_weights(7, 400, seed=2))
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, 20, (7,), generator=gen).double()  # predicted tokens per document
+    base, ablated = torch.rand(7, generator=gen, dtype=torch.float64) * tokens, torch.rand(7, generator=gen) * tokens
+    change = mean_change(ablated.double(), base, tokens, w)  # (401,)
+    for r in (0, 5, 399):  # brute force: the drawn documents, each as often as drawn, pooled over their tokens
+        drawn = [d for d in range(7) for _ in range(int(w[r, d]))]
+        want = sum(float(ablated[d] - base[d]) for d in drawn) / sum(float(tokens[d]) for d in drawn)
+        assert float(change[r]) == pytest.approx(want)
+    e = Estimate.of(change)
+    ordered = change[1:].sort().values
+    assert (e.value, e.low, e.high) == (float(change[0]), float(ordered[10]), float(ordered[389]))
+    assert e.low <= e.value <= e.high
+    assert significant(Estimate(0.5, 0.4, 0.6, 100), Estimate(0.1, 0.0, 0.2, 100))
+    assert not significant(Estimate(0.5, 0.05, 0.9, 100), Estimate(0.1, 0.0, 0.2, 100))  # "n.s."
+    assert weighted_f1(torch.tensor([[1, 1, 0, 0, 1]]).bool(), torch.tensor([1, 0, 0, 1, 1]).bool(),
+                       torch.ones(1, 5, dtype=torch.float64)).item() == pytest.approx(
+        binary_f1(torch.tensor([1, 1, 0, 0, 1]), torch.tensor([1, 0, 0, 1, 1])))
+
+
+def test_report_prints_intervals_and_not_significant():
+    model = domain_model()
+    settings = SpecializationSettings(probe_ks=(1,), probe_top=2, bootstrap=200)
+    report = specialize(model, domain_text(2), domain_text(3), special_ids=[1, 2], settings=settings)
+    text = report.format()
+    assert "[95% interval" in text and "n.s." in text  # the masking control is the domain's own unit (2 live units)
+    assert "fewer than 10 eval documents" in text  # 6 contexts per domain, each its own document
+    row = report.summary()
+    assert row["mask_delta_target_ci"][0] <= row["mask_delta_target"] <= row["mask_delta_target_ci"][1]
+    assert row["specificity_significant"] is False and row["steering_effect_significant"] in (True, False)
+
+
+def test_explicit_held_out_files(tmp_path, capsys):
+    tok = tiny_tokenizer()
+    low = [" ".join(f"w{(7 * i + j) % 45}" for j in range(10)) for i in range(30)]
+    high = [" ".join(f"w{45 + (5 * i + j) % 45}" for j in range(10)) for i in range(30)]
+    paths = {}
+    for name, docs in (("low", low), ("high", high), ("low_eval", low[:5] + ["w1 w2 w3 w4 w5 w6 w7 w8"] * 3)):
+        paths[name] = tmp_path / f"{name}.txt"
+        paths[name].write_text("\n".join(docs), encoding="utf-8")
+    corpora = {"low": str(paths["low"]), "high": str(paths["high"])}
+    fit, held, documents = split_corpora(corpora, tok, 600, 600, 16, eval_corpora={"low": str(paths["low_eval"])})
+    # low: the eval file is all eval, its corpus all fit minus the 5 documents that also appear in the eval file
+    assert int(documents["low"].max()) + 1 == 8 and held["low"].shape[0] == (5 * 11 + 3 * 9) // 15
+    assert fit["low"].shape[0] == (25 * 11) // 15
+    hash_fit, hash_held, _ = split_corpora(corpora, tok, 600, 600, 16)  # high: the hash split, as without the file
+    assert torch.equal(held["high"], hash_held["high"]) and torch.equal(fit["high"], hash_fit["high"])
+    with pytest.raises(Exception, match="not among the --corpus domains"):
+        split_corpora(corpora, tok, 600, 600, 16, eval_corpora={"mid": str(paths["low_eval"])})
+
+    model_dir = tmp_path / "model"
+    save_model(domain_model().float(), model_dir, tok)
+    capsys.readouterr()
+    argv = ["specialize", str(model_dir), "--corpus", f"low={paths['low']}", "--corpus", f"high={paths['high']}",
+            "--eval-corpus", f"low={paths['low_eval']}", "--context-length", "16", "--tokens", "96",
+            "--eval-tokens", "80", "--probe-k", "1", "--probe-top", "2", "--no-progress"]
+    assert main(argv) == 0
+    assert "eval documents low 8, high" in capsys.readouterr().out
+    assert main(argv + ["--eval-corpus", f"mid={paths['low_eval']}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--eval-corpus names 'mid'" in err

@@ -23,8 +23,9 @@ class InspectionError(ExpertizeError, ValueError):
     """`expertize inspect` cannot run on what it was given; the message names the problem and the fix."""
 
 
-def parse_corpora(specs: list[str]) -> dict[str, str]:
-    """`["code=a.txt", "wiki.jsonl"]` -> {"code": "a.txt", "wiki": "wiki.jsonl"} (a bare path is named by its stem)."""
+def parse_corpora(specs: list[str], flag: str = "--corpus") -> dict[str, str]:
+    """`["code=a.txt", "wiki.jsonl"]` -> {"code": "a.txt", "wiki": "wiki.jsonl"} (a bare path is named by its stem);
+    errors name `flag`."""
     corpora: dict[str, str] = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
@@ -32,11 +33,11 @@ def parse_corpora(specs: list[str]) -> dict[str, str]:
             name, path = Path(spec).stem, spec
         name = name.strip()
         if not name or not path:
-            raise InspectionError(f"--corpus {spec!r}: write NAME=PATH (e.g. --corpus code=code.txt) or just PATH")
+            raise InspectionError(f"{flag} {spec!r}: write NAME=PATH (e.g. {flag} code=code.txt) or just PATH")
         if name in corpora:
-            raise InspectionError(f"--corpus: the name {name!r} is given twice; name each corpus differently")
+            raise InspectionError(f"{flag}: the name {name!r} is given twice; name each corpus differently")
         if not os.path.isfile(path):
-            raise InspectionError(f"--corpus {name}: no such file {path!r}; give a .txt or .jsonl file")
+            raise InspectionError(f"{flag} {name}: no such file {path!r}; give a .txt or .jsonl file")
         corpora[name] = path
     return corpora
 

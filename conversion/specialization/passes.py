@@ -1,9 +1,11 @@
-"""Forward passes shared by masking, probing and steering: mean CE under an intervention, and context-pooled codes.
+"""Forward passes shared by masking, probing and steering: mean CE under an intervention by full forwards (the
+reference of conditions.py's cheap path), and context-pooled codes.
 
 Shapes: S sequences, T tokens per sequence, U units of the sparse layer, H hidden neurons of the dense MLP.
 """
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -11,7 +13,7 @@ from torch import nn
 from ..evaluation.metrics import next_token_ce
 from .errors import SpecializationError
 
-__all__ = ["down_projection", "mean_ce", "pooled_codes", "pooled_dense"]
+__all__ = ["CodePooler", "down_projection", "mean_ce", "pooled_codes", "pooled_dense"]
 
 # The MLP's output projection per family: its input is the MLP's hidden activation (after act / GLU gating).
 DOWN_PROJECTIONS = ("down_proj", "c_proj", "dense_4h_to_h", "fc2", "fc_out", "w2")
@@ -55,6 +57,32 @@ def _pool(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * m).sum(1) / m.sum(1).clamp_min(1.0)
 
 
+class CodePooler:
+    """The sparse code of every forward seen while `recording()`, mean-pooled per context over its content tokens:
+    the forwards' rows are the rows of `mask` (S, T) in order. `pooled` (S, U) float32 on CPU."""
+
+    def __init__(self, layer: nn.Module, mask: torch.Tensor) -> None:
+        self.layer, self.mask = layer, mask
+        self.pooled = torch.zeros(mask.shape[0], layer.num_units)
+        self.row = 0
+
+    def _on_code(self, module, args, code) -> None:
+        B, T, K = code.top_k_index.shape
+        dense = torch.zeros(B * T, self.layer.num_units, device=code.top_k_weights.device)  # (B·T, U)
+        dense.scatter_add_(1, code.top_k_index.reshape(-1, K), code.top_k_weights.reshape(-1, K).float())
+        rows = self.mask[self.row : self.row + B].to(dense.device)
+        self.pooled[self.row : self.row + B] = _pool(dense.view(B, T, -1), rows).cpu()
+        self.row += B
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator["CodePooler"]:
+        handle = self.layer.code_hook.register_forward_hook(self._on_code)
+        try:
+            yield self
+        finally:
+            handle.remove()
+
+
 @torch.no_grad()
 def pooled_codes(
     model: nn.Module, layer: nn.Module, sequences: torch.Tensor, mask: torch.Tensor, batch_size: int = 8
@@ -62,23 +90,12 @@ def pooled_codes(
     """(S, U) float32: each context's sparse code (the weights listed at `layer.code_hook`, 0 for unlisted units)
     mean-pooled over its content tokens (mask (S, T) True)."""
     device = next(model.parameters()).device
-    seen: list = []
-    handle = layer.code_hook.register_forward_hook(lambda module, args, output: seen.append(output))
-    out = torch.zeros(sequences.shape[0], layer.num_units)
-    try:
-        model.eval()
-        for lo, batch in _batches(sequences, batch_size):
-            seen.clear()
+    pooler = CodePooler(layer, mask)
+    model.eval()
+    with pooler.recording():
+        for _, batch in _batches(sequences, batch_size):
             model(input_ids=batch.to(device), use_cache=False)
-            code = seen[-1]
-            B, T = batch.shape
-            K = code.top_k_index.shape[-1]
-            dense = torch.zeros(B * T, layer.num_units, device=code.top_k_weights.device)  # (B·T, U)
-            dense.scatter_add_(1, code.top_k_index.reshape(-1, K), code.top_k_weights.reshape(-1, K).float())
-            out[lo : lo + B] = _pool(dense.view(B, T, -1), mask[lo : lo + B].to(dense.device)).cpu()
-    finally:
-        handle.remove()
-    return out
+    return pooler.pooled
 
 
 def down_projection(mlp: nn.Module) -> nn.Module:

@@ -14,15 +14,17 @@ every corpus order, every run and every tool that uses the same seed. Identical 
 import hashlib
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
-from ..data.text import DataConfig, DataError, iter_documents, pack_sequences
+from ..data.text import DataConfig, DataError, iter_documents
 from ..inspection.corpora import _data_config
 from .errors import SpecializationError
 
-__all__ = ["content_mask", "in_eval", "pack_documents", "read_documents", "split_documents"]
+__all__ = [
+    "content_mask", "in_eval", "pack_documents", "pack_with_documents", "read_documents", "split_documents",
+]
 
 
 def in_eval(text: str, seed: int, eval_fraction: float) -> bool:
@@ -52,20 +54,54 @@ def read_documents(name: str, path: str) -> list[str]:
     return docs
 
 
-def pack_documents(name: str, docs: list[str], tokenizer, tokens: int, context_length: int) -> torch.LongTensor:
-    """The first ceil(tokens / context_length) packed sequences of `docs` (in order, unshuffled): (S, T).
+def pack_documents(
+    name: str, docs: list[str], tokenizer, tokens: int, context_length: int, document_tokens: int | None = None
+) -> torch.LongTensor:
+    """The first ceil(tokens / context_length) packed sequences of `docs`: (S, T); see `pack_with_documents`."""
+    return pack_with_documents(name, docs, tokenizer, tokens, context_length, document_tokens)[0]
 
-    Sequences are packed within one domain and one side of the split, so every context has one domain label."""
+
+def pack_with_documents(
+    name: str, docs: list[str], tokenizer, tokens: int, context_length: int, document_tokens: int | None = None
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """The first ceil(tokens / context_length) packed sequences of `docs` (in order, unshuffled), packed as upcycle
+    packs them (`data.text`: EOS after every document, BOS first when the tokenizer has one), and which document
+    each token comes from: ((S, T) token ids, (S, T) document index into `docs`, -1 on BOS).
+
+    `document_tokens`: each document contributes at most its first that many tokens (and its EOS), so a budget
+    spreads over more documents (None: whole documents). Sequences are packed within one domain and one side of
+    the split, so every context has one domain label; the document index is what the confidence intervals resample
+    (bootstrap.py)."""
+    from ..data.text import _document_tokens, _pack, resolve_add_bos
+
+    if document_tokens is not None and document_tokens < 1:
+        raise SpecializationError(f"document tokens must be at least 1, got {document_tokens}; or give None (whole "
+                                  "documents)")
     # The documents are already in memory: a hub-source config is only read for context_length and add_bos.
     cfg = DataConfig(source="hub", name="in-memory", paths=[], context_length=context_length)
+    bos = tokenizer.bos_token_id if resolve_add_bos(cfg, tokenizer) else None
+    eos = tokenizer.eos_token_id
+    content = context_length - (bos is not None)
+    lengths: list[int] = []
+
+    def capped() -> Iterator[list[int]]:
+        for ids in _document_tokens(docs, tokenizer):
+            if document_tokens is not None and len(ids) - (eos is not None) > document_tokens:
+                ids = ids[:document_tokens] + ([eos] if eos is not None else [])
+            lengths.append(len(ids))
+            yield ids
+
     wanted = math.ceil(tokens / context_length)
-    sequences = list(itertools.islice(pack_sequences(iter(docs), tokenizer, cfg, "eval"), wanted))
+    sequences = list(itertools.islice(_pack(capped(), content, bos), wanted))
     if not sequences:
         raise SpecializationError(
             f"corpus {name!r}: its documents on this side of the split do not fill one sequence of {context_length} "
             "tokens; add text, lower --context-length or change --eval-fraction"
         )
-    return torch.stack(sequences)  # (S, T)
+    # The same packing of a stream that holds each token's document index instead of the token (-1 for BOS).
+    owners = _pack(([d] * n for d, n in enumerate(lengths)), content, None if bos is None else -1)
+    documents = list(itertools.islice(owners, len(sequences)))
+    return torch.tensor(sequences, dtype=torch.long), torch.tensor(documents, dtype=torch.long)  # (S, T) each
 
 
 def content_mask(input_ids: torch.Tensor, special_ids: Iterable[int]) -> torch.Tensor:
