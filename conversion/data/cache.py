@@ -62,11 +62,12 @@ CACHE_FORMAT = 1
 STORAGE_DTYPES = ("float32", "bfloat16", "float16")
 SHARD_BYTES = 256 * 2**20
 """Default shard size (whole sequences, at least one): a shard is read whole into memory only by `capture`."""
-NOT_COMPARED = ("paths", "train_tokens", "eval_tokens", "exclude_special_positions", "activation_cache", "streaming")
-"""data fields a cache need not match: paths are compared as resolved files and sizes, train_tokens as coverage;
-eval_tokens does not touch the train stream, excluded positions are recomputed from the stored token ids, the cache
-folder names itself, and streaming changes how a hub dataset is read, not what it holds. Every other (and any
-future) data field must be equal."""
+NOT_COMPARED = ("paths", "eval_paths", "train_tokens", "eval_tokens", "exclude_special_positions", "activation_cache",
+                "streaming")
+"""data fields a cache need not match: paths and eval_paths are compared as resolved files and sizes (`corpus`),
+train_tokens as coverage; eval_tokens does not touch the train stream, excluded positions are recomputed from the
+stored token ids, the cache folder names itself, and streaming changes how a hub dataset is read, not what it holds.
+Every other (and any future) data field must be equal."""
 
 Log = Callable[[str], None]
 
@@ -102,6 +103,8 @@ def _stream_identity(data) -> dict[str, Any]:
     """The data fields that decide the train stream's sequences (see NOT_COMPARED) and the corpus files' sizes."""
     fields = {f.name: getattr(data, f.name) for f in dataclasses.fields(data) if f.name not in NOT_COMPARED}
     fields["corpus"] = [_corpus_file(p, data.source) for p in resolve_paths(data.paths)] if data.paths else []
+    # Held-out files decide the train stream too: a train document identical to a held-out one is left out.
+    fields["corpus"] += [_corpus_file(p, data.source) for p in resolve_paths(data.eval_paths)]
     return json.loads(json.dumps(fields))  # what the manifest holds after a round trip (tuples -> lists)
 
 
@@ -332,7 +335,8 @@ class ActivationCache:
         want = _stream_identity(recipe.data)
         for key in sorted(set(want) | set(m["stream"])):
             if m["stream"].get(key) != want.get(key):
-                name = "data.paths (the corpus files or their sizes)" if key == "corpus" else f"data.{key}"
+                name = ("data.paths (the corpus files or their sizes, data.eval_paths' too)" if key == "corpus"
+                        else f"data.{key}")
                 out.append(f"{name} (cache: {m['stream'].get(key)!r}, recipe: {want.get(key)!r})")
         t = recipe.data.context_length
         needed = stream_sequences(recipe.data.train_tokens, t, world_size)

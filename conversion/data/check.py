@@ -150,6 +150,12 @@ def _check_eval(cfg: DataConfig, tokenizer, bos: int | None, wanted: int, where:
         return found
     if counter.documents and counter.empty == counter.documents:
         raise _broken_tokenizer(tokenizer, counter.documents, f"the held-out split of {where}")
+    if cfg.eval_paths:
+        raise DataError(
+            f"data: the held-out files data.eval_paths ({', '.join(cfg.eval_paths)}) hold {counter.tokens:,} tokens "
+            f"in {counter.documents:,} documents, less than one sequence of data.context_length={cfg.context_length}; "
+            "add text to them or lower data.context_length"
+        )
     total = sum(1 for _ in iter_documents(cfg))  # only on failure: the advice depends on it
     if not counter.documents:
         fix = _few_documents_fix(cfg, total, "raise data.eval_fraction")
@@ -173,6 +179,9 @@ def _check_train(
         return found
     if counter.documents and counter.empty == counter.documents:
         raise _broken_tokenizer(tokenizer, counter.documents, f"the train split of {where}")
+    if not counter.documents and cfg.eval_paths:
+        raise DataError(f"data: the train split is empty: every document of {where} also appears in the held-out "
+                        "files data.eval_paths; train on other files than those you evaluate on")
     if not counter.documents:
         total = sum(1 for _ in iter_documents(cfg))
         fix = _few_documents_fix(cfg, total, "lower data.eval_fraction")

@@ -21,7 +21,7 @@ import math
 import random
 import warnings
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -94,7 +94,12 @@ class DataConfig:
 
     eval_fraction: float = 0.05
     """Fraction of documents held out for evaluation, chosen by a stable hash of (seed, document index), so train
-    and eval never share a document."""
+    and eval never share a document. Not used when `eval_paths` is given."""
+
+    eval_paths: list[str] = field(default_factory=list)
+    """Held-out files, read like `paths` (local sources): when given, the run evaluates on their documents and trains
+    on every document of `paths` except one identical to a held-out document, instead of holding out `eval_fraction`
+    of `paths`' documents ("evaluate on the text this model was not trained on")."""
 
     shuffle_documents: bool = True
     """Shuffle training documents with a seeded streaming buffer (the eval order is never shuffled)."""
@@ -137,6 +142,19 @@ class DataConfig:
                 f"data.paths={self.paths} is only read by local sources {list(LOCAL_SOURCES)}, but data.source='hub'; "
                 "remove data.paths or set data.source to the files' format"
             )
+        if isinstance(self.eval_paths, str):
+            raise ValueError(f"data.eval_paths must be a list of files, got the string {self.eval_paths!r}; write "
+                             f"[{self.eval_paths!r}]")
+        self.eval_paths = list(self.eval_paths or [])
+        if self.eval_paths:
+            if self.source not in LOCAL_SOURCES:
+                raise ValueError(f"data.eval_paths is read like data.paths, by local sources {list(LOCAL_SOURCES)} "
+                                 "only, but data.source='hub'; remove data.eval_paths or read local files")
+            try:
+                for path in resolve_paths(self.eval_paths):
+                    file_format(path, self.source)
+            except (OSError, DataError) as e:  # the shared checks name data.paths
+                raise type(e)(str(e).replace("data.paths:", "data.eval_paths:", 1)) from e
         if self.source == "hub" and not self.name:
             raise ValueError(
                 "data.source='hub' needs data.name, the datasets hub name (e.g. 'Skylion007/openwebtext')"
@@ -203,9 +221,21 @@ class DocumentSplit:
     def documents(self, split: Split) -> Iterator[str]:
         _check_split(split)
         want_eval = split == "eval"
+        if self.cfg.eval_paths:  # explicit held-out files: all of them eval, all of `paths` but their copies train
+            held = replace(self.cfg, paths=self.cfg.eval_paths)
+            if want_eval:
+                yield from iter_documents(held)
+                return
+            seen = {_digest(doc) for doc in iter_documents(held)}
+            yield from (doc for doc in iter_documents(self.cfg) if _digest(doc) not in seen)
+            return
         for index, doc in enumerate(iter_documents(self.cfg)):
             if document_in_eval(index, self.cfg.seed, self.cfg.eval_fraction) == want_eval:
                 yield doc
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
 
 
 def split_documents(cfg: DataConfig) -> DocumentSplit:

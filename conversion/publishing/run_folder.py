@@ -146,8 +146,8 @@ def _local_path(value: Any) -> Any:
 def run_identity(resolved_recipe: dict) -> dict:
     """What decides whether a folder's unfinished (or finished) run is the same run as `resolved_recipe`: the recipe
     without `output_dir` (the folder names itself: `runs/a`, `runs/a/`, `/abs/runs/a` and `../runs/a` from a
-    subfolder are one folder) and with its local paths canonical (a base model folder, data.paths, the activation
-    cache), so a rerun spelled differently resumes instead of being refused. A Hub id stays as it is."""
+    subfolder are one folder) and with its local paths canonical (a base model folder, data.paths and eval_paths, the
+    activation cache), so a rerun spelled differently resumes instead of being refused. A Hub id stays as it is."""
     tree = copy.deepcopy(dict(resolved_recipe))
     tree.pop("output_dir", None)
     base = tree.get("base_model")
@@ -155,8 +155,9 @@ def run_identity(resolved_recipe: dict) -> dict:
         tree["base_model"] = _local_path(base)
     data = tree.get("data")
     if isinstance(data, dict):
-        if isinstance(data.get("paths"), list):
-            data["paths"] = [_local_path(p) for p in data["paths"]]
+        for key in ("paths", "eval_paths"):
+            if isinstance(data.get(key), list):
+                data[key] = [_local_path(p) for p in data[key]]
         data["activation_cache"] = _local_path(data.get("activation_cache"))
     return tree
 
