@@ -1,36 +1,33 @@
-"""Dead units with AuxK off and on, at equal tokens: MxD and the TopK transcoder at K = 8 and K = 32.
+"""Dead-unit handling compared at equal tokens: none, the selection-bias floor (the default), DeepSeek's symmetric
+selection bias, resampling, AuxK.
 
-Each model is ONE `expertize upcycle` (`recipe_from_dict` + `upcycle`, via `_runs.run_variants`) of a recipe built
-here whose `variants:` are every (kind, K, AuxK off / on): the base model runs over the corpus once and that
-activation stream feeds every variant's trainer step by step, each variant getting the weights it would get alone
-(tests/test_variants.py). The AuxK-off and AuxK-on variants of a (model, kind, K) differ only in `train.auxk_coef`
-(0 vs --auxk-coef), so they see the same tokens in the same order from the same initialization. With --runs-dir
-each variant's model folder is <runs-dir>/<model>/<kind>-k<K>-<off|auxk>/ (a finished one is reused).
+Two suites; each model is ONE `expertize upcycle` whose `variants:` are every setting, trained together on one
+activation stream (tests/test_variants.py: each variant gets the weights it would get alone), so the methods see the
+same tokens in the same order from the same initialization:
 
-    models   tiny-gpt2-shakespeare (layer 2, d 128, gelu_new MLP 512) and stories260k (layer 2, d 64, SwiGLU 172),
-             each on its own text (tinyshakespeare / TinyStories samples), 10% of the documents held out
-    size     layer.match_transcoder = 8: transcoder 8·d latents; MxD the expert count of that parameter budget
-    training AdamW lr 1e-2 (benchmarks/all_kinds.py's best shared rate), 50 warm-up steps, cosine to 0.1 lr, 1,024
-             tokens per step, NMSE, fp32, special-token positions left out (data.exclude_special_positions)
-    AuxK     train.auxk_coef (default 1/32, the paper's), train.auxk_k auto (min(512, d/2)), train.dead_window_tokens
-             auto (1/40 of the run's tokens)
+    quickstart  the shipped quickstart recipe unchanged (tiny-gpt2-shakespeare layer 2, MxD parameter-matched to a
+                32x transcoder: N = 3,584 experts, 200k tokens, lr 1e-3) except layer.k in {8, 16, 32}, x method
+    tiny        tiny-gpt2-shakespeare (layer 2, d 128, gelu_new MLP 512) and stories260k (layer 2, d 64, SwiGLU 172),
+                each on its own text; MxD and the TopK transcoder at the 8x transcoder budget, K in {8, 32}, lr in
+                {1e-3, 1e-2, 3e-2} x {none, floor}, and the other methods at lr 1e-2; 327,680 tokens (320 steps of
+                1,024), AdamW, 50 warm-up steps, cosine to 0.1 lr, NMSE, fp32, seed 0
 
-Columns: dead = fraction of units that never fired on the held-out tokens (evaluation; special positions left out);
-dead (train) = fraction dead by the training window at the last step (train_log.jsonl); FVU and L0 on held-out
-tokens; ΔCE = CE(spliced) − CE(base) on the held-out sequences. "on/off" rows compare the AuxK run with the AuxK-off
-run of the same setting: FVU and ΔCE ratios (< 1.10: within the issue's 10% target).
+Methods (recipe `train:` keys): none (auxk_coef 0); floor (balance: floor, balance_floor 0.3: the default); bias
+(balance: bias, DeepSeek-V3's symmetric rule); resample
+(resample_every_tokens: auto, auxk_coef 0); auxk (auxk_coef 1/32, dead_window_tokens auto: 1/40 of the run, the
+previous default).
 
-Run:  EXPERTIZE_DATA=/path/to/shared/data python benchmarks/dead_units.py [--out dead_units.md]
-      python benchmarks/dead_units.py --models stories260k --kinds mxd --ks 8 --auxk-coef 0.1
+Columns: dead = fraction of units that never fired on the held-out tokens; FVU, L0 (and L0/K), effective units
+(exp of the entropy of the firings) on held-out tokens; ΔCE = CE(spliced) − CE(base); "vs none" = FVU and ΔCE
+ratios to the same setting without handling. Targets (issue 19): dead ≤ 10 % at K = 8 and ≤ 5 % at K ≥ 16, FVU and
+ΔCE ≤ 1.02x none; MxD's L0 ≥ 0.9 K at every learning rate. The `target` column says pass / FAIL per row for the
+default method.
 
-Runtime: 16 variants at the default 327,680 training tokens each, in 2 runs (one per model). As 16 separate runs
-this took 4.4 min on 2 CPU cores; the joint runs save the per-run base-model loading and capture (not re-measured at
-the default budget: the cores were shared with other jobs; --models stories260k --train-tokens 8192 --eval-tokens
-4096, 8 variants, took 1.0 min there). The budget and the wall time are printed at the start and the end.
+Run:  EXPERTIZE_DATA=/path/to/shared/data python benchmarks/dead_units.py [--suites quickstart,tiny] [--out FILE]
+      python benchmarks/dead_units.py --suites quickstart --methods none,floor    (about 3 min on 2 idle cores)
 """
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -46,7 +43,14 @@ MODELS = {
     "tiny-gpt2-shakespeare": ("models/tiny-gpt2-shakespeare", "corpora/tinyshakespeare.txt", "blank_line", 2),
     "stories260k": ("models/stories260k", "corpora/stories260k_samples.txt", "line", 2),
 }
-KINDS = ("mxd", "transcoder")
+METHODS = {  # every method sets every key, so that none of them inherits the recipe's default handling
+    "none": {"auxk_coef": 0.0, "balance": "none", "resample_every_tokens": 0},
+    "floor": {"auxk_coef": 0.0, "balance": "floor", "resample_every_tokens": 0},
+    "bias": {"auxk_coef": 0.0, "balance": "bias", "resample_every_tokens": 0},
+    "resample": {"auxk_coef": 0.0, "balance": "none", "resample_every_tokens": "auto"},
+    "auxk": {"auxk_coef": 1 / 32, "balance": "none", "resample_every_tokens": 0, "dead_window_tokens": "auto"},
+}
+DEFAULT = "floor"
 
 
 def parse_args() -> argparse.Namespace:
@@ -54,51 +58,71 @@ def parse_args() -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default=os.environ.get("EXPERTIZE_DATA"),
                    help="shared data folder holding models/ and corpora/ (default: $EXPERTIZE_DATA)")
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {', '.join(MODELS)}")
-    p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of mxd, transcoder")
-    p.add_argument("--ks", default="8,32", help="comma-separated K values (default 8,32)")
-    p.add_argument("--match-transcoder", type=float, default=8, help="parameter budget (default 8·d latents)")
-    p.add_argument("--train-tokens", type=int, default=327_680,
-                   help="training tokens per run (default 327,680 = 320 steps of 1,024)")
-    p.add_argument("--tokens-per-step", type=int, default=1024)
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--warmup-steps", type=int, default=50)
-    p.add_argument("--context-length", type=int, default=128)
+    p.add_argument("--suites", default="quickstart,tiny", help="comma-separated subset of quickstart, tiny")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {', '.join(METHODS)}")
+    p.add_argument("--models", default=",".join(MODELS), help="the tiny suite's models")
+    p.add_argument("--lrs", default="1e-3,1e-2,3e-2", help="the tiny suite's learning rates (none vs the default)")
+    p.add_argument("--train-tokens", type=int, default=327_680, help="the tiny suite's training tokens per variant")
     p.add_argument("--eval-tokens", type=int, default=32_768)
-    p.add_argument("--auxk-coef", type=float, default=1 / 32, help="train.auxk_coef of the AuxK runs (1/32)")
-    p.add_argument("--auxk-k", default="auto", help='train.auxk_k of the AuxK runs ("auto" or a number)')
-    p.add_argument("--dead-window", default="auto", help='train.dead_window_tokens ("auto" or a number)')
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--runs-dir", default=None, help="keep the runs here (a finished identical run is reused)")
     p.add_argument("--out", default=None, help="also write the Markdown table to this file")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     return p.parse_args()
 
 
-def _auto_or_int(value: str):
-    return value if value == "auto" else int(value)
+def quickstart_tree(args, methods: list[str], root: Path) -> tuple[dict, list[dict]]:
+    from expertize.conversion.recipe import load_recipe, recipe_to_dict
+
+    tree = recipe_to_dict(load_recipe("quickstart"))  # the shipped recipe, its ${EXPERTIZE_ASSETS} resolved
+    tree["output_dir"] = str(root / "quickstart")
+    tree["eval"].update({"generation_prompts": 0, "histogram": False})
+    settings, variants = [], []
+    for k in (8, 16, 32):
+        for method in methods:
+            name = f"mxd-k{k}-{method}"
+            variants.append({"name": name, "layer": {"k": k}, "train": METHODS[method]})
+            settings.append({"suite": "quickstart", "model": "quickstart", "kind": "mxd", "k": k,
+                             "lr": tree["train"]["lr"], "method": method, "name": name})
+    tree["variants"] = variants
+    return tree, settings
 
 
-def build_tree(args, model: str, kind: str, k: int, auxk_coef: float, out_dir: Path) -> dict:
+def tiny_tree(args, model: str, methods: list[str], lrs: list[float], root: Path) -> tuple[dict, list[dict]]:
     model_dir, corpus, separator, layer = MODELS[model]
     data = Path(args.data)
-    return {
-        "base_model": str(data / model_dir),
-        "dtype": "float32",
-        "layers": [layer],
-        "layer": {"kind": kind, "k": k, "match_transcoder": args.match_transcoder},
-        "data": text_data(data / corpus, separator, args.context_length, args.train_tokens, args.eval_tokens,
-                          args.seed),
-        "train": {
-            "lr": args.lr, "warmup_steps": args.warmup_steps, "schedule": "cosine", "min_lr_ratio": 0.1,
-            "tokens_per_step": args.tokens_per_step, "loss": "nmse", "precision": "fp32", "grad_clip": 1.0,
-            "checkpoint_every": 0, "log_every": 20, "seed": args.seed, "device": "cpu",
-            "auxk_coef": auxk_coef, "auxk_k": _auto_or_int(args.auxk_k),
-            "dead_window_tokens": _auto_or_int(args.dead_window),
-        },
+    tree = {
+        "base_model": str(data / model_dir), "dtype": "float32", "layers": [layer],
+        "layer": {"kind": "mxd", "k": 32, "match_transcoder": 8},
+        "data": text_data(data / corpus, separator, 128, args.train_tokens, args.eval_tokens, args.seed),
+        "train": {"lr": 1e-2, "warmup_steps": 50, "schedule": "cosine", "min_lr_ratio": 0.1, "tokens_per_step": 1024,
+                  "loss": "nmse", "precision": "fp32", "grad_clip": 1.0, "checkpoint_every": 0, "log_every": 20,
+                  "seed": args.seed, "device": "cpu"},
         "eval": {"batch_sequences": 16, "generation_prompts": 0, "histogram": False},
-        "output_dir": str(out_dir),
+        "output_dir": str(root / model),
     }
+    settings, variants = [], []
+    for kind in ("mxd", "transcoder"):
+        for k in (8, 32):
+            runs = [(lr, m) for lr in lrs for m in methods if m in ("none", DEFAULT)]
+            runs += [(1e-2, m) for m in methods if m not in ("none", DEFAULT)]
+            for lr, method in runs:
+                name = f"{kind}-k{k}-lr{lr:g}-{method}"
+                variants.append({"name": name, "layer": {"kind": kind, "k": k, "match_transcoder": 8},
+                                 "train": {"lr": lr, **METHODS[method]}})
+                settings.append({"suite": "tiny", "model": model, "kind": kind, "k": k, "lr": lr, "method": method,
+                                 "name": name})
+    tree["variants"] = variants
+    return tree, settings
+
+
+def collect(metrics_of: dict, settings: list[dict]) -> list[dict]:
+    rows = []
+    for s in settings:
+        metrics = metrics_of[s["name"]]
+        (m,) = metrics["layers"].values()
+        rows.append({**s, "units": m["num_units"], "dead": m["dead_fraction"], "fvu": m["fvu"], "l0": m["l0"],
+                     "effective": m.get("effective_units"), "delta_ce": metrics["ce"]["delta"]})
+    return rows
 
 
 def _f(value, fmt: str) -> str:
@@ -107,92 +131,68 @@ def _f(value, fmt: str) -> str:
     return format(value, fmt)
 
 
-def model_runs(args, model: str, kinds: list[str], ks: list[int], root: Path) -> list[dict]:
-    """Every (kind, K, AuxK off / on) of `model` as a variant of ONE recipe, trained on one activation stream (one
-    capture) into root/<model>/<kind>-k<K>-<off|auxk>/; each variant's weights are those it would get alone. The
-    off / on variants of a setting differ only in train.auxk_coef."""
-    settings = [(kind, k, auxk) for kind in kinds for k in ks for auxk in (False, True)]
-    name = {s: f"{s[0]}-k{s[1]}-{'auxk' if s[2] else 'off'}" for s in settings}
-    tree = build_tree(args, model, kinds[0], ks[0], args.auxk_coef, root / model)
-    tree["variants"] = [
-        {"name": name[(kind, k, auxk)], "layer": {"kind": kind, "k": k, "match_transcoder": args.match_transcoder},
-         "train": {"auxk_coef": args.auxk_coef if auxk else 0.0}}
-        for kind, k, auxk in settings
-    ]
-    print(f"  {model}: one run, {len(settings)} variants on one activation stream", flush=True)
-    metrics_of, seconds = run_variants(tree, "benchmarks/dead_units.py")
-    print(f"  {model}: [{'reused' if seconds is None else f'{seconds:.0f}s'}]", flush=True)
-    layer = str(MODELS[model][3])
-    rows = []
-    for kind, k, auxk in settings:
-        out_dir = root / model / name[(kind, k, auxk)]
-        metrics = metrics_of[name[(kind, k, auxk)]]
-        m, ce = metrics["layers"][layer], metrics["ce"]
-        log = [json.loads(line) for line in (out_dir / "train_log.jsonl").read_text(encoding="utf-8").splitlines()]
-        last = log[-1]
-        row = {
-            "model": model, "kind": kind, "k": k, "auxk": auxk, "num_units": m["num_units"],
-            "dead": m["dead_fraction"], "dead_train": last["dead_fraction"], "fvu": m["fvu"], "delta_ce": ce["delta"],
-            "l0": m["l0"], "seconds": seconds,
-        }
-        print(f"  {model} {kind} K={k} AuxK {'on ' if auxk else 'off'}: dead {row['dead']:.1%} (train "
-              f"{row['dead_train']:.1%}) of {row['num_units']}, FVU {row['fvu']:.4f}, ΔCE {row['delta_ce']:+.4f}, "
-              f"L0 {row['l0']:.1f}", flush=True)
-        rows.append(row)
-    return rows
+def target(row: dict, none: dict | None) -> str:
+    """pass / FAIL against the issue's targets (default method only)."""
+    if row["method"] != DEFAULT:
+        return ""
+    ok = row["dead"] <= (0.10 if row["k"] <= 8 else 0.05)
+    if row["kind"] == "mxd":
+        ok = ok and row["l0"] >= 0.9 * row["k"]
+    if none is not None:
+        ok = ok and row["fvu"] <= 1.02 * none["fvu"] and row["delta_ce"] <= 1.02 * max(none["delta_ce"], 0)
+    return "pass" if ok else "FAIL"
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | kind | K | units | AuxK | dead (eval) | dead (train window) | FVU | ΔCE | L0 | FVU on/off "
-             "| ΔCE on/off |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    off = {(r["model"], r["kind"], r["k"]): r for r in rows if not r["auxk"]}
+    lines = ["| model | kind | K | units | lr | method | dead | FVU | ΔCE | L0 (/K) | effective units | FVU vs none "
+             "| ΔCE vs none | target |", "|" + "---|" * 14]
+    none = {(r["model"], r["kind"], r["k"], r["lr"]): r for r in rows if r["method"] == "none"}
     for r in rows:
-        ratio_fvu = ratio_ce = ""
-        base = off.get((r["model"], r["kind"], r["k"]))
-        if r["auxk"] and base is not None:
-            ratio_fvu = _f(r["fvu"] / base["fvu"], ".3f")
-            # ΔCE can be ~0 or negative: the ratio is only meaningful for a positive AuxK-off ΔCE.
-            ratio_ce = _f(r["delta_ce"] / base["delta_ce"], ".3f") if base["delta_ce"] > 1e-4 else "n/a"
+        base = none.get((r["model"], r["kind"], r["k"], r["lr"]))
+        fvu_ratio = ce_ratio = ""
+        if base is not None and r["method"] != "none":
+            fvu_ratio = _f(r["fvu"] / base["fvu"], ".3f")
+            ce_ratio = _f(r["delta_ce"] / base["delta_ce"], ".3f") if base["delta_ce"] > 1e-4 else "n/a"
         lines.append(
-            f"| {r['model']} | {r['kind']} | {r['k']} | {r['num_units']} | {'on' if r['auxk'] else 'off'} | "
-            f"{_f(r['dead'], '.1%')} | {_f(r['dead_train'], '.1%')} | {_f(r['fvu'], '.4f')} | "
-            f"{_f(r['delta_ce'], '+.4f')} | {_f(r['l0'], '.1f')} | {ratio_fvu} | {ratio_ce} |"
+            f"| {r['model']} | {r['kind']} | {r['k']} | {r['units']} | {r['lr']:g} | {r['method']} | "
+            f"{_f(r['dead'], '.1%')} | {_f(r['fvu'], '.4f')} | {_f(r['delta_ce'], '+.4f')} | "
+            f"{_f(r['l0'], '.1f')} ({_f(r['l0'] / r['k'], '.2f')}) | {_f(r['effective'], '.0f')} | {fvu_ratio} | "
+            f"{ce_ratio} | {target(r, base)} |"
         )
     return "\n".join(lines)
 
 
 def main() -> int:
     args = parse_args()
-    if not args.data or not (Path(args.data) / "models").is_dir():
-        print("error: give --data or set EXPERTIZE_DATA to the shared data folder (models/, corpora/)",
-              file=sys.stderr)
+    suites = [s for s in args.suites.split(",") if s]
+    methods = [m for m in args.methods.split(",") if m]
+    bad = [m for m in methods if m not in METHODS] + [s for s in suites if s not in ("quickstart", "tiny")]
+    if bad:
+        print(f"error: unknown suite / method {bad}", file=sys.stderr)
         return 2
-    models = [m for m in args.models.split(",") if m]
-    kinds = [k for k in args.kinds.split(",") if k]
-    ks = [int(k) for k in args.ks.split(",") if k]
-    for name, allowed, given in (("model", MODELS, models), ("kind", KINDS, kinds)):
-        bad = [g for g in given if g not in allowed]
-        if bad:
-            print(f"error: unknown {name} {bad}; choose from {', '.join(allowed)}", file=sys.stderr)
-            return 2
+    if "tiny" in suites and (not args.data or not (Path(args.data) / "models").is_dir()):
+        print("error: give --data or set EXPERTIZE_DATA to the shared data folder (models/, corpora/)", file=sys.stderr)
+        return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    n_runs = len(models) * len(kinds) * len(ks) * 2
-    budget = (f"{n_runs} variants ({len(models)} runs, one per model) x {args.train_tokens:,} training tokens "
-              f"({args.train_tokens // args.tokens_per_step} steps of {args.tokens_per_step:,}), {args.eval_tokens:,} "
-              f"eval tokens, lr {args.lr:g}, AuxK coef {args.auxk_coef:g}, k_aux {args.auxk_k}, dead window "
-              f"{args.dead_window}")
-    print(f"budget: {budget}", flush=True)
+    lrs = [float(x) for x in args.lrs.split(",") if x]
     root = Path(args.runs_dir) if args.runs_dir else Path(tempfile.mkdtemp(prefix="expertize-dead-units-"))
-    started = time.perf_counter()
-    rows = []
+    jobs = []
+    if "quickstart" in suites:
+        jobs.append(quickstart_tree(args, methods, root))
+    if "tiny" in suites:
+        jobs += [tiny_tree(args, model, methods, lrs, root) for model in args.models.split(",") if model]
+    budget = (f"{sum(len(s) for _, s in jobs)} variants in {len(jobs)} runs (one activation stream each); quickstart "
+              f"200,000 training tokens per variant, tiny {args.train_tokens:,}; {args.eval_tokens:,} eval tokens; "
+              f"seed {args.seed}; CPU")
+    print(f"budget: {budget}", flush=True)
+    started, rows = time.perf_counter(), []
     try:
-        for model in models:
-            rows += model_runs(args, model, kinds, ks, root)
+        for tree, settings in jobs:
+            metrics_of, seconds = run_variants(tree, "benchmarks/dead_units.py")
+            print(f"  {settings[0]['model']}: {len(settings)} variants "
+                  f"[{'reused' if seconds is None else f'{seconds:.0f}s'}]", flush=True)
+            rows += collect(metrics_of, settings)
     finally:
         if not args.runs_dir:
             shutil.rmtree(root, ignore_errors=True)

@@ -177,7 +177,7 @@ def plan_variants(recipes: list[Recipe], *, world_size: int = 1) -> list[RunPlan
     plans = [first]
     for recipe in recipes[1:]:
         try:
-            spec = resolve_layer_spec(recipe.layer, first.shape)
+            spec = resolve_layer_spec(recipe.layer, first.shape, recipe.train.balance)
         except ExpertizeError as e:
             raise type(e)(f"variant {Path(recipe.output_dir).name!r}: {e}") from None
         plans.append(dataclasses.replace(first, recipe=recipe, spec=spec))
@@ -213,7 +213,7 @@ def plan_run(recipe: Recipe, *, world_size: int = 1, check_layer_memory: bool = 
     family = base_family(config.model_type)
     shape = mlp_shape(config)
     layer_ids = resolve_layers(recipe, config.num_hidden_layers)
-    spec = resolve_layer_spec(recipe.layer, shape)
+    spec = resolve_layer_spec(recipe.layer, shape, recipe.train.balance)
     device = resolve_device(recipe.train.device)
     model = f"base_model {recipe.base_model!r}"
     check_context_length(recipe.data.context_length, config, setting="data.context_length", model=model)

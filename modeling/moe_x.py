@@ -77,6 +77,10 @@ ROUTER_EPS = 1e-6
 @dataclasses.dataclass
 class MoeXSpec(SparseSpec):
     kind = "moe_x"
+    activation_meaning: ClassVar[str] = (
+        "scaled hidden unit ω_j z^j_h of a selected expert (unit j·D + h); fires where > 0"
+    )
+    code_unit_name: ClassVar[str] = "hidden unit"
     title: ClassVar[str] = "MoE-X"
     init_modes: ClassVar[tuple[str, ...]] = ("default", "split", "copy")
     citation: ClassVar[str] = arxiv_bibtex(
@@ -115,6 +119,9 @@ class MoeXSpec(SparseSpec):
     decoder_init: str = "zeros"
     """'zeros': W_dec starts at 0, so the layer starts as b_dec (the trainer's mean MLP output, as mxd) and
     distillation starts from FVU 1; 'paper': nn.Linear's default (training from scratch). Upcycling overwrites both."""
+    selection_bias: bool = False
+    """A per-expert bias `b_select` (a buffer) added to the router scores only to choose the top K, never to weight
+    (auxiliary-loss-free balancing, DeepSeek-V3; the trainer moves it, `train.balance`)."""
 
     @classmethod
     def mlp_defaults(cls, shape, *, init: str = "default", num_units: int | None = None) -> dict:
@@ -150,6 +157,7 @@ class MoeXSpec(SparseSpec):
         _require_choice(self, "gate_scaling", ("softmax", "none", "k_softmax"))
         _require_choice(self, "load_balance_counting", ("top1", "topk"))
         _require_choice(self, "decoder_init", ("zeros", "paper"))
+        _require_bool(self, "selection_bias")
         coef = self.load_balance_coef
         if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef) or coef < 0:
             raise ValueError(f"moe_x.load_balance_coef must be a finite number >= 0, got {coef!r}")
@@ -272,6 +280,7 @@ class MoeXLayer(SparseLayer):
         self.W_dec = nn.Parameter(torch.empty(M, O, D))
         self.b_dec = nn.Parameter(torch.empty(O))
         self.W_router = nn.Parameter(torch.empty(M, I)) if spec.router == "switch" else None
+        self._init_selection_bias(M)
         self.reset_parameters()
 
     @property
@@ -290,9 +299,30 @@ class MoeXLayer(SparseLayer):
             nn.init.zeros_(self.W_dec)
         else:
             uniform_(self.W_dec, linear_bound(D))
-        for b in (self.b_enc, self.b_up, self.b_dec):
+        for b in (self.b_enc, self.b_up, self.b_dec, self.b_select):
             if b is not None:
                 nn.init.zeros_(b)
+
+    router_distribution = "scores"
+
+    @property
+    def num_routed_experts(self) -> int:
+        return self.spec.num_experts
+
+    def routed_experts(self, top_k_index: torch.Tensor) -> torch.Tensor:
+        """Code units j·D + h -> the K selected experts j (each once): (..., K·D) -> (..., K)."""
+        D = self.spec.d_expert
+        return top_k_index[..., ::D] // D
+
+    def selection_load(self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Tokens routed to each expert (the selection is over experts, whose hidden units the code lists D at a
+        time, `b_select` (M,)): (M,) float32."""
+        experts = self.routed_experts(top_k_index).reshape(-1)  # each selected expert once per token
+        ones = torch.ones(experts.numel(), device=experts.device)
+        return torch.zeros(self.spec.num_experts, device=experts.device).index_add_(0, experts, ones)
+
+    def output_directions(self) -> torch.Tensor:
+        return self.decoder_rows().detach()  # unit j·D + h: column h of expert j's decoder: (M·D, O)
 
     def unit_index(self, expert: int, hidden: int) -> int:
         """Code unit id of hidden unit `hidden` of expert `expert` (j·D + h)."""
@@ -325,7 +355,8 @@ class MoeXLayer(SparseLayer):
     def route(self, x: torch.Tensor) -> MoeXRouting:
         """(T, I) -> scores (T, M), TopK experts and gate weights (T, K)."""
         scores = self.router_scores(x)  # (T, M)
-        top_scores, top_k_index = scores.topk(self.spec.k, dim=-1)  # (T, K), sorted: slot 0 is the argmax
+        # (T, K), sorted: slot 0 is the argmax (of the biased scores, with a selection bias)
+        top_scores, top_k_index = self._select(scores, self.spec.k, sorted=True)
         if self.spec.gate_scaling == "none":
             weights = torch.ones_like(top_scores)
         else:

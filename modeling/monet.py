@@ -79,6 +79,8 @@ UNIFORMITY_EPS = 1e-6
 class MonetSpec(SparseSpec):
     """Fields shared by `monet_hd` and `monet_vd` (see the module docstring)."""
 
+    activation_meaning: ClassVar[str] = "head-summed product-expert gate G_ij (unit i·S + j)"
+
     citation: ClassVar[str] = arxiv_bibtex(
         "park2025monet",
         title="Monet: Mixture of Monosemantic Experts for Transformers",
@@ -237,6 +239,8 @@ class MonetLayer(SparseLayer):
     """No AuxK (conversion/training/auxk.py): a product expert (i, j) owns no parameters of its own (it is built from
     sub-experts i and j, which serve every other pair too), so there are no dead units' rows for an auxiliary loss
     to train without moving live experts; the sub-experts are kept in use by the uniformity loss (Eq. 16)."""
+
+    router_distribution = "gates"  # a token's routing: its head-summed gates G_ij, normalized
 
     def __init__(self, spec: MonetSpec) -> None:
         super().__init__(spec)

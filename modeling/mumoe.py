@@ -121,6 +121,8 @@ def entmax15(logits: torch.Tensor) -> torch.Tensor:
 class MuMoESpec(SparseSpec):
     """Fields shared by `mumoe_cp` and `mumoe_tr` (this base class is not a registered kind)."""
 
+    activation_meaning: ClassVar[str] = "soft gate coefficient a_n (entmax15: fires where a_n > 0)"
+
     citation: ClassVar[str] = arxiv_bibtex(
         "oldfield2024mumoe",
         title="Multilinear Mixture of Experts: Scalable Expert Specialization through Factorization",
@@ -348,6 +350,16 @@ class MuMoELayer(SparseLayer):
     """μMoE (CP or tensor ring) as a drop-in MLP replacement; see the module docstring for the equations."""
 
     spec: MuMoESpec
+
+    router_distribution = "gates"  # a token's routing: its entmax gate a itself
+    token_directions = True  # expert n's output W_nᵀ z + β_n depends on the token's hidden code z
+
+    def direction_terms(self, z: torch.Tensor) -> torch.Tensor:
+        return z  # (T, H)
+
+    def directions_from_means(self, means: torch.Tensor) -> torch.Tensor:
+        one_hot = torch.eye(self.num_units, device=means.device, dtype=self.b_dec.dtype)
+        return self.mumoe_out(one_hot, means.to(self.b_dec.dtype))  # W_nᵀ mean z + β_n: (N, O)
 
     def __init__(self, spec: MuMoESpec) -> None:
         super().__init__(spec)

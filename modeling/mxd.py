@@ -26,7 +26,7 @@ from .sparse_base import (
     SparseCode,
     SparseLayer,
     SparseSpec,
-    _LinearReluTopK,
+    LinearReluTopK,
     _require_bool,
     _require_choice,
     _require_int,
@@ -35,13 +35,14 @@ from .sparse_base import (
     linear_bound,
     sparse_rows_sum,
     uniform_,
+    dead_relu_topk,
 )
-from .transcoder import dead_relu_topk
 
 
 @dataclasses.dataclass
 class MxdSpec(SparseSpec):
     kind = "mxd"
+    activation_meaning: ClassVar[str] = "expert coefficient a_n = TopK(ReLU(G x + b_G))"
     title: ClassVar[str] = "Mixture of Decoders (MxD)"
     match_conventions: ClassVar[tuple[str, ...]] = ("exact", "paper")
     citation: ClassVar[str] = arxiv_bibtex(
@@ -70,6 +71,9 @@ class MxdSpec(SparseSpec):
     unit_norm_experts: bool = False
     """Keep every expert row c_n at unit L2 norm (the reference code's `norm_dec`); the trainer calls
     `renormalize_experts_()` after each step and `project_expert_grads_()` before it."""
+    selection_bias: bool = False
+    """A per-expert bias `b_select` (a buffer) added to the gate scores only to choose the top K among the positive
+    ones, never to weight (auxiliary-loss-free balancing; the trainer moves it, `train.balance`)."""
 
     def validate(self) -> None:
         super().validate()
@@ -83,7 +87,7 @@ class MxdSpec(SparseSpec):
             )
         _require_choice(self, "encoder", ("mlp", "glu"))
         self.activation = canonical_activation(self.activation)
-        for name in ("encoder_bias", "random_k", "unit_norm_experts"):
+        for name in ("encoder_bias", "random_k", "unit_norm_experts", "selection_bias"):
             _require_bool(self, name)
 
     @property
@@ -122,6 +126,14 @@ class MxdLayer(SparseLayer):
 
     spec: MxdSpec
 
+    selects_top_k_units = True
+    token_directions = True  # expert n's output is c_n ⊙ (Dᵀz): its direction depends on the token's hidden code
+
+    def direction_terms(self, z: torch.Tensor) -> torch.Tensor:
+        return z @ self.W_dec.to(z.dtype)  # Dᵀz: (T, O)
+
+    def directions_from_means(self, means: torch.Tensor) -> torch.Tensor:
+        return self.W_experts.detach().to(means.dtype) * means  # c_n ⊙ mean Dᵀz: (N, O)
     supports_auxk = True
     """Dead experts (gate units) can model the residual error (`auxk_reconstruction`; conversion/training/auxk.py)."""
 
@@ -138,6 +150,7 @@ class MxdLayer(SparseLayer):
         self.W_experts = nn.Parameter(torch.empty(N, O))  # C
         self.W_dec = nn.Parameter(torch.empty(H, O))  # D
         self.b_dec = nn.Parameter(torch.empty(O))
+        self._init_selection_bias(N)
         self.reset_parameters()
 
     @property
@@ -165,6 +178,8 @@ class MxdLayer(SparseLayer):
             uniform_(self.W_experts, linear_bound(N))
         nn.init.zeros_(self.W_dec)
         nn.init.zeros_(self.b_dec)
+        if self.b_select is not None:
+            nn.init.zeros_(self.b_select)
 
     # -- forward ------------------------------------------------------------------------------------------------
 
@@ -181,10 +196,15 @@ class MxdLayer(SparseLayer):
 
     def encode(self, x: torch.Tensor) -> SparseCode:
         """Sparse expert coefficients a = TopK(ReLU(Gx + b_G)) as (index, weight) pairs: (..., I) -> (..., K)."""
-        lead = x.shape[:-1]
+        source, lead = x, x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])  # (T, I)
-        # = relu_topk(self.gate_logits(x), k), with a backward over the K selected gate rows only (no dense (T, N) grad)
-        values, index = _LinearReluTopK.apply(x, self.W_gate, self.b_gate, self._sample_k(self.spec.k))  # (T, K) each
+        # = relu_topk(self.gate_logits(x), k, b_select), with a backward over the K selected gate rows only (no dense
+        # (T, N) grad); pre (T, N) is kept for AuxK when it runs this step
+        values, index, pre = LinearReluTopK.apply(
+            x, self.W_gate, self.b_gate, self._sample_k(self.spec.k), self.b_select
+        )  # (T, K) each
+        self._note_selection_scale(values)
+        self._keep(source, pre=pre)
         return self._hook_code(index, values, lead)
 
     def _sample_k(self, k: int) -> int:
@@ -199,7 +219,9 @@ class MxdLayer(SparseLayer):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])  # (T, I)
         code = self.encode(hidden_states).flat()  # (T, K); the hook saw (..., K)
         mix = sparse_rows_sum(code, self.W_experts)  # Cᵀa: (T, O)
-        out = mix * (self.hidden(x) @ self.W_dec) + self.b_dec  # (T, O)
+        modulation = self.hidden(x) @ self.W_dec  # Dᵀz: (T, O)
+        self._keep(hidden_states, modulation=modulation)
+        out = mix * modulation + self.b_dec  # (T, O)
         return out.view(*lead, -1)
 
     def auxk_reconstruction(self, x: torch.Tensor, dead_mask: torch.Tensor, k_aux: int) -> torch.Tensor:
@@ -207,14 +229,34 @@ class MxdLayer(SparseLayer):
         dead experts' rows of C under the same dense modulation; no b_dec. (..., I), (N,) bool -> (..., O).
         Gradients reach only the selected dead experts' rows of W_gate, b_gate and W_experts: Dᵀz is detached, so
         the shared dense path (W_enc, W_glu, W_dec) is trained by the main loss alone (as an SAE's AuxK touches only
-        dead latents' parameters). Random K̂ and interventions do not apply here."""
-        lead = x.shape[:-1]
+        dead latents' parameters). Random K̂ and interventions do not apply here. The dense products (the gate
+        pre-activations and Dᵀz) are the training forward's when it kept them (`keep_for_auxk`), else recomputed."""
+        kept, lead = self._take_kept(x), x.shape[:-1]  # the forward's pre-activations and Dᵀz, when it kept them
         x = x.reshape(-1, x.shape[-1])  # (T, I)
-        values, index = dead_relu_topk(x, self.W_gate, self.b_gate, dead_mask, k_aux)  # (T, k_aux) each
+        values, index = dead_relu_topk(x, self.W_gate, self.b_gate, dead_mask, k_aux, pre=kept.get("pre"))
         mix = sparse_rows_sum(SparseCode(index, values), self.W_experts)  # Cᵀa_aux: (T, O)
-        with torch.no_grad():
-            modulation = self.hidden(x) @ self.W_dec  # Dᵀz: (T, O)
+        modulation = kept.get("modulation")
+        if modulation is None:
+            with torch.no_grad():
+                modulation = self.hidden(x) @ self.W_dec  # Dᵀz: (T, O)
         return (mix * modulation).view(*lead, -1)
+
+    supports_resampling = True
+
+    @torch.no_grad()
+    def resample_units(self, units: torch.Tensor, x: torch.Tensor, error: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Dead experts' gate rows point at their inputs x (scaled to the live rows' mean norm, b_gate 0), so they
+        win the top K on similar tokens; their rows of C start at 0 (the output is unchanged; C's gradient is
+        nonzero as soon as the expert is selected, and then the gate's)."""
+        live = torch.ones(self.spec.num_experts, dtype=torch.bool, device=units.device)
+        live[units] = False
+        self._point_rows(self.W_gate, units, x, live)
+        self.b_gate[units] = 0
+        self.W_experts[units] = 0
+        if self.spec.unit_norm_experts:  # a unit row that the gradient can rotate (zero cannot be normalized)
+            self.W_experts[units] = error[:, : self.spec.d_out].to(self.W_experts.dtype)
+            self.renormalize_experts_()
+        return {"W_gate": units, "b_gate": units, "W_experts": units}
 
     # -- unit-norm experts (reference code's `norm_dec`) ----------------------------------------------------------
 

@@ -10,7 +10,7 @@ Shapes (letters as in sparse_base, plus r router rank, S shared neurons): W_enc 
 (rows = neurons, stored like embedding tables); W_gate_proj (r, I); W_gate (N, r) or (N, I); b_gate (N,);
 W_shared_enc (S, I), b_shared_enc (S,), W_shared_dec (S, O); b_dec (O,).
 
-Only the K selected rows of W_enc / b_enc / W_dec are read per token: the input dots go through `_GatheredDot`
+Only the K selected rows of W_enc / b_enc / W_dec are read per token: the input dots go through `GatheredDot`
 (chunked gathers forward, `embedding_bag` backward) and the output sum through `embedding_bag`. The router is the one
 dense (T, N) product. The sparse code is (top-k neuron ids, softmax gate weights); steering adds λ to a neuron's gate
 weight (y += λ h_n u_n), ablation zeroes it without renormalizing the others.
@@ -31,9 +31,11 @@ from torch.nn import functional as F
 
 from .sparse_base import (
     ACTIVATIONS,
+    GatheredDot,
     SparseCode,
     SparseLayer,
     SparseSpec,
+    _require_bool,
     _require_choice,
     _require_int,
     arxiv_bibtex,
@@ -43,47 +45,10 @@ from .sparse_base import (
     uniform_,
 )
 
-GATHER_CHUNK_ELEMENTS = 1 << 24
-"""The forward gathers at most this many weights (tokens × K × I) at once, to bound the (T, K, I) transient."""
-
-
-class _GatheredDot(torch.autograd.Function):
-    """out[t, k] = rows[index[t, k]] · x[t] without keeping the (T, K, I) gather for backward.
-
-    Backward, the same embedding_bag identities as sparse_base's `_LinearReluTopK`: grad x_t = Σ_k g_tk rows[idx_tk]
-    and grad rows[n] = Σ_{idx_tk = n} g_tk x_t (the backward of that embedding_bag with grad_outputs x).
-    """
-
-    @staticmethod
-    def forward(ctx, x, rows, index):  # x (T, I), rows (N, I), index (T, K)
-        T, K = index.shape
-        chunk = max(1, GATHER_CHUNK_ELEMENTS // max(1, K * rows.shape[1]))
-        out = [
-            torch.bmm(F.embedding(index[i : i + chunk], rows), x[i : i + chunk, :, None]).squeeze(-1)  # (t, K)
-            for i in range(0, T, chunk)
-        ]
-        ctx.save_for_backward(x, rows, index)
-        return torch.cat(out) if out else x.new_zeros(0, K)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        x, rows, index = ctx.saved_tensors
-        need_x, need_rows = ctx.needs_input_grad[:2]
-        grad = grad.to(rows.dtype)  # (T, K)
-        grad_x = grad_rows = None
-        with torch.enable_grad():
-            w = rows.detach().requires_grad_(need_rows)
-            grad_x = F.embedding_bag(index, w, per_sample_weights=grad, mode="sum")  # Σ_k g_tk rows[idx_tk]: (T, I)
-        if need_rows:
-            (grad_rows,) = torch.autograd.grad(grad_x, w, grad_outputs=x.to(rows.dtype))  # (N, I)
-        grad_x = grad_x.detach().to(x.dtype) if need_x else None
-        return grad_x, grad_rows, None
-
-
 @dataclasses.dataclass
 class RoutedNeuronsSpec(SparseSpec):
     kind = "routed_neurons"
+    activation_meaning: ClassVar[str] = "router gate g_n (softmax over the K selected neurons)"
     title: ClassVar[str] = "routed single-neuron experts (secret MoE)"
     citation: ClassVar[str] = arxiv_bibtex(
         "boixadsera2025secret",
@@ -107,6 +72,9 @@ class RoutedNeuronsSpec(SparseSpec):
     decoder_init: str = "zeros"
     """'zeros': output rows (routed and shared) start at 0, so the layer starts as b_dec, the trainer's mean MLP
     output (as mxd); 'paper': the reference code's U(±1/√K) routed and nn.Linear-default shared output rows."""
+    selection_bias: bool = False
+    """A per-neuron bias `b_select` (a buffer) added to the router scores only to choose the top K, never to weight
+    (auxiliary-loss-free balancing, DeepSeek-V3; the trainer moves it, `train.balance`)."""
 
     def validate(self) -> None:
         super().validate()
@@ -122,6 +90,7 @@ class RoutedNeuronsSpec(SparseSpec):
             _require_int(self, "router_rank", minimum=0)
         self.activation = canonical_activation(self.activation)
         _require_choice(self, "decoder_init", ("zeros", "paper"))
+        _require_bool(self, "selection_bias")
 
     @property
     def low_rank_router(self) -> bool:
@@ -155,6 +124,11 @@ class RoutedNeuronsLayer(SparseLayer):
 
     spec: RoutedNeuronsSpec
 
+    selects_top_k_units = True
+    router_distribution = "scores"
+
+    def output_directions(self) -> torch.Tensor:
+        return self.W_dec.detach()  # neuron n's output row u_n: (N, O)
     supports_auxk = True
     """Dead routed neurons can model the residual error (`auxk_reconstruction`; conversion/training/auxk.py)."""
 
@@ -172,6 +146,7 @@ class RoutedNeuronsLayer(SparseLayer):
         self.b_shared_enc = nn.Parameter(torch.empty(S)) if S else None
         self.W_shared_dec = nn.Parameter(torch.empty(S, O)) if S else None
         self.b_dec = nn.Parameter(torch.empty(O))
+        self._init_selection_bias(N)
         self.reset_parameters()
 
     @property
@@ -204,6 +179,8 @@ class RoutedNeuronsLayer(SparseLayer):
             else:
                 nn.init.zeros_(self.W_shared_dec)
         nn.init.zeros_(self.b_dec)
+        if self.b_select is not None:
+            nn.init.zeros_(self.b_select)
 
     def router_logits_of(self, x: torch.Tensor) -> torch.Tensor:
         """Router scores s: (T, I) -> (T, N)."""
@@ -213,11 +190,12 @@ class RoutedNeuronsLayer(SparseLayer):
 
     def encode(self, x: torch.Tensor) -> SparseCode:
         """(top-K neuron ids, softmax over their router scores): (..., I) -> (..., K)."""
-        lead = x.shape[:-1]
+        source, lead = x, x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])  # (T, I)
         logits = self.router_logits_of(x)  # (T, N)
-        top_logits, index = logits.topk(self.spec.k, dim=-1, sorted=False)  # (T, K) each
+        top_logits, index = self._select(logits, self.spec.k)  # (T, K) each (unbiased scores)
         self._set_router_outputs(logits if self.record_router_outputs else None, None)
+        self._keep(source, logits=logits, live=top_logits)  # for AuxK, when it runs this step
         return self._hook_code(index, top_logits.softmax(dim=-1), lead)
 
     def neuron_activations(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -225,7 +203,7 @@ class RoutedNeuronsLayer(SparseLayer):
         # F.embedding, not b_enc[index]: indexing's backward accumulates in parallel in a run-dependent order on CPU,
         # so seeded runs would differ in the last bits; embedding's backward is deterministic.
         bias = F.embedding(index, self.b_enc.unsqueeze(-1)).squeeze(-1)  # (T, K)
-        return self.act(_GatheredDot.apply(x, self.W_enc, index) + bias)
+        return self.act(GatheredDot.apply(x, self.W_enc, index) + bias)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         lead = hidden_states.shape[:-1]
@@ -236,6 +214,22 @@ class RoutedNeuronsLayer(SparseLayer):
         if self.W_shared_enc is not None:
             out = out + self.act(F.linear(x, self.W_shared_enc, self.b_shared_enc)) @ self.W_shared_dec  # (T, O)
         return (out + self.b_dec).view(*lead, -1)
+
+    supports_resampling = True
+
+    @torch.no_grad()
+    def resample_units(self, units: torch.Tensor, x: torch.Tensor, error: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Dead neurons' router rows point at their (projected) inputs and their input rows at x, each scaled to the
+        live rows' mean norm, biases 0; their output rows start at 0 (the output is unchanged)."""
+        live = torch.ones(self.spec.num_experts, dtype=torch.bool, device=units.device)
+        live[units] = False
+        routed = F.linear(x.to(self.W_gate.dtype), self.W_gate_proj) if self.W_gate_proj is not None else x
+        self._point_rows(self.W_gate, units, routed, live)
+        self._point_rows(self.W_enc, units, x, live)
+        self.b_gate[units] = 0
+        self.b_enc[units] = 0
+        self.W_dec[units] = 0
+        return {"W_gate": units, "b_gate": units, "W_enc": units, "b_enc": units, "W_dec": units}
 
     def auxk_reconstruction(self, x: torch.Tensor, dead_mask: torch.Tensor, k_aux: int) -> torch.Tensor:
         """AuxK's ê for routed neurons: Σ_a g_a h_a u_a over the k_aux dead neurons with the highest router scores;
@@ -248,17 +242,19 @@ class RoutedNeuronsLayer(SparseLayer):
         explains the residual (a softmax over the dead scores alone could only reorder them among themselves).
         Gradients reach only the selected dead neurons' rows of W_gate, b_gate, W_enc, b_enc and W_dec: the low-rank
         projection W_gate_proj is shared by every neuron, so its output is detached here."""
-        lead = x.shape[:-1]
+        kept, lead = self._take_kept(x), x.shape[:-1]  # the forward's router scores, when it kept them
         x = x.reshape(-1, x.shape[-1])  # (T, I)
         k_aux = min(int(k_aux), self.spec.num_experts)
         with torch.no_grad():
             routed_x = F.linear(x, self.W_gate_proj) if self.W_gate_proj is not None else x  # (T, r) or (T, I)
-            logits = F.linear(routed_x, self.W_gate, self.b_gate)  # (T, N)
-            live = logits.topk(self.spec.k, dim=-1, sorted=False).values  # (T, K): the forward's selection
+            logits, live = kept.get("logits"), kept.get("live")  # (T, N), (T, K): the forward's selection
+            if logits is None:
+                logits = F.linear(routed_x, self.W_gate, self.b_gate)
+                live = self._select(logits, self.spec.k)[0]
             index = logits.masked_fill(~dead_mask, float("-inf")).topk(k_aux, dim=-1, sorted=False).indices
         # Scores of the selected dead neurons from their rows only (as `neuron_activations`): (T, k_aux)
         bias = F.embedding(index, self.b_gate.unsqueeze(-1)).squeeze(-1)
-        dead = _GatheredDot.apply(routed_x, self.W_gate, index) + bias
+        dead = GatheredDot.apply(routed_x, self.W_gate, index) + bias
         dead = dead.masked_fill(~dead_mask[index], float("-inf"))  # live fillers (fewer than k_aux dead) get gate 0
         gates = torch.cat([live.to(dead.dtype), dead], dim=-1).softmax(dim=-1)[:, live.shape[1] :]  # (T, k_aux)
         h = self.neuron_activations(x, index)  # (T, k_aux)

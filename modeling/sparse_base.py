@@ -128,6 +128,10 @@ class SparseSpec:
     dense MLP ("split", "copy") that the conversion package implements for this kind."""
     citation: ClassVar[str] = ""
     """BibTeX of the paper behind the kind (cited by every model card that uses it)."""
+    activation_meaning: ClassVar[str] = "the unit's coefficient in the sparse code; fires where > 0"
+    """What one unit's activation (its weight in the code) is, for inspection reports and the explorer."""
+    code_unit_name: ClassVar[str | None] = None
+    """What one id of the sparse code denotes, when it is not a `unit_name` (MoE-X: "hidden unit" of an expert)."""
 
     d_in: int
     d_out: int
@@ -160,6 +164,11 @@ class SparseSpec:
         if missing:
             raise ValueError(f"sparse layer kind {cls.kind!r} needs field(s) {missing}")
         return cls(**data)
+
+    @classmethod
+    def code_unit(cls) -> str:
+        """The name of what one code id denotes ("expert", "latent", "hidden unit", ...)."""
+        return cls.code_unit_name or cls.unit_name
 
     @classmethod
     def size_field(cls) -> str:
@@ -225,11 +234,125 @@ class SparseLayer(nn.Module):
         """Scalar auxiliary loss of the last forward, *already weighted* by the spec's own coefficient(s); set by
         layers that have one, while training or while `record_router_outputs` is on."""
         self.record_router_outputs = False
+        self.keep_for_auxk = False
+        """Set by the trainer for a step in which AuxK runs: the training forward keeps what `auxk_reconstruction`
+        would otherwise recompute (the dense pre-activations), and AuxK takes it."""
+        self._kept: dict[str, Any] = {}
+        self.selection_scale: torch.Tensor | None = None
+        """Training forwards of layers with a selection bias: the mean |score| of the selected units (a scalar
+        tensor), the scale in which the balancer moves `b_select`."""
+
+    def _init_selection_bias(self, num_selectable: int) -> None:
+        """`b_select` (num_selectable,), a persistent buffer, when the spec asks for a selection bias; else None."""
+        if getattr(self.spec, "selection_bias", False):
+            self.register_buffer("b_select", torch.zeros(num_selectable))
+        else:
+            self.b_select = None
+
+    def _select(self, scores: torch.Tensor, k: int, *, sorted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """TopK over `scores` (T, S) with the selection bias if there is one: (selected scores, index), each (T, K);
+        the scores returned are the unbiased ones (the bias chooses, it never weights)."""
+        if self.b_select is None:
+            selected, index = scores.topk(k, dim=-1, sorted=sorted)
+        else:
+            index = (scores + self.b_select.to(scores.dtype)).topk(k, dim=-1, sorted=sorted).indices
+            selected = scores.gather(-1, index)
+        self._note_selection_scale(selected)
+        return selected, index
+
+    def _note_selection_scale(self, selected: torch.Tensor) -> None:
+        if self.b_select is not None and self.training:
+            self.selection_scale = selected.detach().abs().float().mean()
+
+    def selection_load(self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Tokens on which each selectable unit (`b_select`'s entries) was chosen and fired, from a code of
+        (..., K) index and weights: (S,) float32. Default: the code's units are the selectable ones."""
+        index = top_k_index.reshape(-1)
+        fired = (top_k_weights.reshape(-1) != 0).float()
+        return torch.zeros(self.b_select.shape[0], device=index.device).index_add_(0, index, fired)
+
+    # -- what inspection asks (conversion/inspection/ reads these; it never switches on the kind) -------------------
+
+    router_distribution: str | None = None
+    """How a token's routing is a distribution over the routed experts, if the kind has a router: "scores" (a
+    softmax over router scores the layer records in `router_logits`: moe_x, routed neurons) or "gates" (the code's
+    own weights, normalized per token: μMoE's entmax gate, Monet's head-summed G); None (TopK over ReLU scores:
+    mxd, transcoders) means the per-unit firing frequency is the load."""
+
+    @property
+    def num_routed_experts(self) -> int:
+        """How many experts the router chooses among (the code's units, unless they are finer: MoE-X)."""
+        return self.num_units
+
+    def routed_experts(self, top_k_index: torch.Tensor) -> torch.Tensor:
+        """The routed expert of each code entry, (..., K) -> (..., K') (identity unless code units are finer)."""
+        return top_k_index
+
+    def output_directions(self) -> torch.Tensor | None:
+        """(U, O): what one unit adds to the output per unit of activation, when that is a fixed vector (a decoder
+        row); None where it depends on the token (see `token_directions`) or does not exist (Monet)."""
+        return None
+
+    token_directions = False
+    """True when a unit's output direction depends on the token through the layer's hidden code z (`hidden(x)`):
+    inspection averages `direction_terms(z)` over each unit's firing tokens and `directions_from_means` maps the
+    means to (U, O) directions (mxd: c_n ⊙ mean Dᵀz; μMoE: W_nᵀ mean z + β_n)."""
+
+    def direction_terms(self, z: torch.Tensor) -> torch.Tensor:
+        """(T, H) hidden code -> (T, F), the per-token quantity whose mean over a unit's firing tokens gives its
+        direction."""
+        raise NotImplementedError
+
+    def directions_from_means(self, means: torch.Tensor) -> torch.Tensor:
+        """(U, F) per-unit means of `direction_terms` -> (U, O) output directions."""
+        raise NotImplementedError
+
+    supports_resampling = False
+    """Whether `resample_units` can re-point dead units at given inputs (conversion/training/resample.py)."""
+
+    @torch.no_grad()
+    def resample_units(self, units: torch.Tensor, x: torch.Tensor, error: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Re-initialize dead `units` (n,) toward inputs `x` (n, I) on which the layer's error is large (`error`
+        (n, O), y - ŷ): each unit's input row points at its x (its score on that input is then high), its output
+        row starts so that the layer's output is unchanged until training moves it. Returns {parameter name: the
+        rows it re-initialized} so that the trainer resets those rows' optimizer moments. Anthropic's resampling
+        (Bricken et al. 2023), per kind; kinds without it leave `supports_resampling` False."""
+        raise NotImplementedError(f"{self.spec.kind} layers do not resample dead units")
+
+    @staticmethod
+    def _point_rows(rows: torch.Tensor, units: torch.Tensor, directions: torch.Tensor, live: torch.Tensor) -> None:
+        """rows[units] = unit `directions` (n, I) scaled to the mean norm of the rows of `live` units (N,) bool."""
+        norms = rows.norm(dim=-1)  # (N,)
+        scale = (norms * live).sum() / live.sum().clamp_min(1)
+        scale = torch.where(live.any(), scale, norms.mean())
+        rows[units] = (directions / directions.norm(dim=-1, keepdim=True).clamp_min(1e-12) * scale).to(rows.dtype)
+
+    def _keep(self, source: torch.Tensor, **tensors: torch.Tensor) -> None:
+        """During a training forward with `keep_for_auxk`: remember `tensors` (detached) as computed from input
+        `source` (the tensor object the caller passed in)."""
+        if self.training and self.keep_for_auxk:
+            if self._kept.get("source") is not source:
+                self._kept = {"source": source}
+            self._kept.update({name: t.detach() for name, t in tensors.items()})
+
+    def _take_kept(self, source: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the last training forward kept for input `source` (emptied: memory is released), or {}."""
+        kept, self._kept = self._kept, {}
+        return kept if kept.get("source") is source else {}
 
     @property
     def num_units(self) -> int:
         """Number of units (experts / latents) the code indexes."""
         raise NotImplementedError
+
+    selects_top_k_units = False
+    """Whether the code lists the top `spec.k` units per token (mxd, transcoders, routed neurons): then every token
+    should have K firing units, and a mean L0 far below K means the code collapsed."""
+
+    @property
+    def target_l0(self) -> int | None:
+        """The L0 a healthy code has (K for kinds that select the top K units), or None where there is no such K."""
+        return int(self.spec.k) if self.selects_top_k_units else None
 
     def reset_parameters(self) -> None:
         raise NotImplementedError
@@ -351,32 +474,48 @@ def sparse_rows_sum(code: SparseCode, rows: torch.Tensor) -> torch.Tensor:
     )
 
 
-def relu_topk(pre: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """TopK(ReLU(pre)) along the last dim: returns (values, indices), each (T, K)."""
-    values, indices = pre.topk(k, dim=-1, sorted=False)
-    # ReLU after TopK equals TopK after ReLU (ReLU is monotone) and touches K entries instead of N.
-    return F.relu(values), indices
+def relu_topk(
+    pre: torch.Tensor, k: int, selection_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TopK(ReLU(pre)) along the last dim: returns (values, indices), each (T, K).
+
+    With `selection_bias` (N,) (balanced training, `SparseLayer.b_select`), the K are chosen among the *positive*
+    entries by `pre + selection_bias`, and their values stay ReLU(pre): the bias only decides who competes on equal
+    terms (DeepSeek-V3's auxiliary-loss-free balancing), never how much a unit contributes, and it cannot make a unit
+    fire whose pre-activation is not positive (it would add a zero weight and take a slot).
+    """
+    if selection_bias is None:
+        values, indices = pre.topk(k, dim=-1, sorted=False)
+        # ReLU after TopK equals TopK after ReLU (ReLU is monotone) and touches K entries instead of N.
+        return F.relu(values), indices
+    score = torch.where(pre > 0, pre + selection_bias.to(pre.dtype), float("-inf"))  # (T, N)
+    indices = score.topk(k, dim=-1, sorted=False).indices  # (T, K)
+    return F.relu(pre.gather(-1, indices)), indices
 
 
-class _LinearReluTopK(torch.autograd.Function):
-    """`relu_topk(F.linear(x, weight, bias), k)` with a backward that touches only the K selected rows of `weight`.
+class LinearReluTopK(torch.autograd.Function):
+    """`relu_topk(F.linear(x, weight, bias), k, selection_bias)` with a backward that touches only the K selected
+    rows of `weight`; also returns the pre-activations (T, N), detached, for AuxK to reuse.
 
     The gradient of the (T, N) logits is zero outside the K selected entries per token (g_tk), so the dense backward
     (two T×N×I matmuls) reduces to gathers and scatters over T·K rows, which is exactly one `embedding_bag` and its
     backward: grad x_t = Σ_k g_tk W[idx_tk], grad W[n] = Σ_{idx_tk = n} g_tk x_t, grad b[n] = Σ_{idx_tk = n} g_tk.
     Same values as the plain ops; gradients equal theirs up to float summation order.
+
+        values, index, pre = LinearReluTopK.apply(x, weight, bias, k, selection_bias)
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, k):  # x (T, I), weight (N, I), bias (N,) or None
-        values, index = relu_topk(F.linear(x, weight, bias), k)  # (T, K) each
+    def forward(ctx, x, weight, bias, k, selection_bias=None):  # x (T, I), weight (N, I), bias / selection_bias (N,)
+        pre = F.linear(x, weight, bias)  # (T, N)
+        values, index = relu_topk(pre, k, selection_bias)  # (T, K) each
         ctx.save_for_backward(x, weight, index, values)
-        ctx.mark_non_differentiable(index)
-        return values, index
+        ctx.mark_non_differentiable(index, pre)
+        return values, index, pre
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_values, _grad_index):
+    def backward(ctx, grad_values, _grad_index, _grad_pre):
         x, weight, index, values = ctx.saved_tensors
         grad = torch.where(values > 0, grad_values, 0).to(weight.dtype)  # ReLU's backward, as F.relu's: (T, K)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -390,7 +529,71 @@ class _LinearReluTopK(torch.autograd.Function):
             grad_x = grad_x.detach().to(x.dtype) if need_x else None
         if need_b:  # False when bias is None
             grad_b = weight.new_zeros(weight.shape[0]).index_add_(0, index.reshape(-1), grad.reshape(-1))  # (N,)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
+
+
+GATHER_CHUNK_ELEMENTS = 1 << 24
+"""The forward gathers at most this many weights (tokens × K × I) at once, to bound the (T, K, I) transient."""
+
+
+class GatheredDot(torch.autograd.Function):
+    """out[t, k] = rows[index[t, k]] · x[t] without keeping the (T, K, I) gather for backward.
+
+    Backward, the same embedding_bag identities as `LinearReluTopK`: grad x_t = Σ_k g_tk rows[idx_tk]
+    and grad rows[n] = Σ_{idx_tk = n} g_tk x_t (the backward of that embedding_bag with grad_outputs x).
+    """
+
+    @staticmethod
+    def forward(ctx, x, rows, index):  # x (T, I), rows (N, I), index (T, K)
+        T, K = index.shape
+        chunk = max(1, GATHER_CHUNK_ELEMENTS // max(1, K * rows.shape[1]))
+        out = [
+            torch.bmm(F.embedding(index[i : i + chunk], rows), x[i : i + chunk, :, None]).squeeze(-1)  # (t, K)
+            for i in range(0, T, chunk)
+        ]
+        ctx.save_for_backward(x, rows, index)
+        return torch.cat(out) if out else x.new_zeros(0, K)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, rows, index = ctx.saved_tensors
+        need_x, need_rows = ctx.needs_input_grad[:2]
+        grad = grad.to(rows.dtype)  # (T, K)
+        grad_x = grad_rows = None
+        with torch.enable_grad():
+            w = rows.detach().requires_grad_(need_rows)
+            grad_x = F.embedding_bag(index, w, per_sample_weights=grad, mode="sum")  # Σ_k g_tk rows[idx_tk]: (T, I)
+        if need_rows:
+            (grad_rows,) = torch.autograd.grad(grad_x, w, grad_outputs=x.to(rows.dtype))  # (N, I)
+        grad_x = grad_x.detach().to(x.dtype) if need_x else None
+        return grad_x, grad_rows, None
+
+
+def dead_relu_topk(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    dead_mask: torch.Tensor,
+    k_aux: int,
+    pre: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """AuxK's selection (Gao et al. 2024, §A.2): TopK_aux(ReLU(W x + b)) over the *dead* units only.
+
+    x (T, I), weight (N, I), bias (N,), dead_mask (N,) bool -> (values, index), each (T, min(k_aux, N)).
+    The ranking runs without autograd, on `pre` (T, N) = W x + b when the forward kept it (no second dense product);
+    the selected pre-activations are recomputed from their rows only (`GatheredDot`), so gradients reach just the
+    selected rows of `weight` / `bias`, never a dense (T, N) grad. Where fewer than k_aux units are dead, live units
+    fill the remaining slots with value 0 (no host sync to count).
+    """
+    k_aux = min(int(k_aux), weight.shape[0])
+    with torch.no_grad():
+        if pre is None:
+            pre = F.linear(x, weight, bias)  # (T, N)
+        index = pre.masked_fill(~dead_mask, float("-inf")).topk(k_aux, dim=-1, sorted=False).indices  # (T, k_aux)
+    # F.embedding, not bias[index]: its backward is deterministic (as routed_neurons' neuron_activations).
+    values = GatheredDot.apply(x, weight, index) + F.embedding(index, bias.unsqueeze(-1)).squeeze(-1)  # (T, k_aux)
+    return F.relu(values) * dead_mask[index], index  # live fillers -> 0
 
 
 def uniform_(param: nn.Parameter, bound: float) -> None:

@@ -19,19 +19,21 @@ from .sparse_base import (
     SparseCode,
     SparseLayer,
     SparseSpec,
+    _require_bool,
     _require_int,
     arxiv_bibtex,
     linear_bound,
-    relu_topk,
+    LinearReluTopK,
+    dead_relu_topk,
     sparse_rows_sum,
     uniform_,
 )
-from .routed_neurons import _GatheredDot
 
 
 @dataclasses.dataclass
 class TranscoderSpec(SparseSpec):
     kind = "transcoder"
+    activation_meaning: ClassVar[str] = "latent value TopK(ReLU(W_enc x + b_enc))"
     title: ClassVar[str] = "TopK transcoder"
     unit_name: ClassVar[str] = "latent"
     units_field: ClassVar[str] = "num_latents"
@@ -46,6 +48,9 @@ class TranscoderSpec(SparseSpec):
     """L: dictionary size (the MxD paper uses 32 × d_in)."""
     k: int = 32
     """Active latents per token."""
+    selection_bias: bool = False
+    """A per-latent bias `b_select` (a buffer) added to the encoder pre-activations only to choose the top K among
+    the positive ones, never to weight (auxiliary-loss-free balancing; the trainer moves it, `train.balance`)."""
 
     skip_connection = False  # class constant; the skip transcoder sets it
 
@@ -53,6 +58,7 @@ class TranscoderSpec(SparseSpec):
         super().validate()
         _require_int(self, "num_latents")
         _require_int(self, "k")
+        _require_bool(self, "selection_bias")
         if self.k > self.num_latents:
             raise ValueError(
                 f"{self.kind}.k={self.k} exceeds {self.kind}.num_latents={self.num_latents}: TopK cannot select more "
@@ -86,30 +92,15 @@ class SkipTranscoderSpec(TranscoderSpec):
     skip_connection = True
 
 
-def dead_relu_topk(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, dead_mask: torch.Tensor, k_aux: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """AuxK's selection (Gao et al. 2024, §A.2): TopK_aux(ReLU(W x + b)) over the *dead* units only.
-
-    x (T, I), weight (N, I), bias (N,), dead_mask (N,) bool -> (values, index), each (T, min(k_aux, N)).
-    The ranking runs without autograd; the selected pre-activations are recomputed from their rows only
-    (`_GatheredDot`), so gradients reach just the selected rows of `weight` / `bias`, never a dense (T, N) grad.
-    Where fewer than k_aux units are dead, live units fill the remaining slots with value 0 (no host sync to count).
-    """
-    k_aux = min(int(k_aux), weight.shape[0])
-    with torch.no_grad():
-        pre = F.linear(x, weight, bias)  # (T, N)
-        index = pre.masked_fill(~dead_mask, float("-inf")).topk(k_aux, dim=-1, sorted=False).indices  # (T, k_aux)
-    # F.embedding, not bias[index]: its backward is deterministic (as routed_neurons' neuron_activations).
-    values = _GatheredDot.apply(x, weight, index) + F.embedding(index, bias.unsqueeze(-1)).squeeze(-1)  # (T, k_aux)
-    return F.relu(values) * dead_mask[index], index  # live fillers -> 0
-
-
 class TranscoderLayer(SparseLayer):
     """TopK transcoder, with the zero-initialized skip path `W_skip` when `spec.skip_connection`."""
 
     spec: TranscoderSpec
 
+    selects_top_k_units = True
+
+    def output_directions(self) -> torch.Tensor:
+        return self.W_dec.detach()  # latent l adds W_dec[l] per unit of its value: (L, O)
     supports_auxk = True
     """Dead latents can model the residual error (`auxk_reconstruction`; conversion/training/auxk.py)."""
 
@@ -121,6 +112,7 @@ class TranscoderLayer(SparseLayer):
         self.W_dec = nn.Parameter(torch.empty(L, O))
         self.b_dec = nn.Parameter(torch.empty(O))
         self.W_skip = nn.Parameter(torch.empty(O, I)) if spec.skip_connection else None
+        self._init_selection_bias(L)
         self.reset_parameters()
 
     @property
@@ -139,12 +131,19 @@ class TranscoderLayer(SparseLayer):
         else:
             uniform_(self.W_dec, linear_bound(L))
         nn.init.zeros_(self.b_dec)
+        if self.b_select is not None:
+            nn.init.zeros_(self.b_select)
 
     def encode(self, x: torch.Tensor) -> SparseCode:
-        """z = TopK(ReLU(W_enc x + b_enc)) as (index, weight) pairs: (..., I) -> (..., K)."""
-        lead = x.shape[:-1]
+        """z = TopK(ReLU(W_enc x + b_enc)) as (index, weight) pairs: (..., I) -> (..., K).
+
+        The backward touches only the K selected encoder rows (`LinearReluTopK`: no dense (T, L) gradient, no two
+        T×L×I products); the pre-activations are kept for AuxK when it runs this step."""
+        source, lead = x, x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])  # (T, I)
-        values, index = relu_topk(F.linear(x, self.W_enc, self.b_enc), self.spec.k)  # (T, K)
+        values, index, pre = LinearReluTopK.apply(x, self.W_enc, self.b_enc, self.spec.k, self.b_select)  # (T, K)
+        self._note_selection_scale(values)
+        self._keep(source, pre=pre)
         return self._hook_code(index, values, lead)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -155,11 +154,26 @@ class TranscoderLayer(SparseLayer):
             out = out + F.linear(x, self.W_skip)
         return out.view(*lead, -1)
 
+    supports_resampling = True
+
+    @torch.no_grad()
+    def resample_units(self, units: torch.Tensor, x: torch.Tensor, error: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Dead latents' encoder rows point at their inputs x (scaled to the live rows' mean norm, b_enc 0); their
+        decoder rows start at 0, so the output is unchanged until the decoder gradient (nonzero once the latent
+        fires) moves them."""
+        live = torch.ones(self.spec.num_latents, dtype=torch.bool, device=units.device)
+        live[units] = False
+        self._point_rows(self.W_enc, units, x, live)
+        self.b_enc[units] = 0
+        self.W_dec[units] = 0
+        return {"W_enc": units, "b_enc": units, "W_dec": units}
+
     def auxk_reconstruction(self, x: torch.Tensor, dead_mask: torch.Tensor, k_aux: int) -> torch.Tensor:
         """AuxK's ê: W_decᵀ z_aux with z_aux = TopK_aux(ReLU(W_enc x + b_enc)) over the dead latents; no b_dec and
         no skip path (the dead latents' contribution only). (..., I), (L,) bool -> (..., O).
-        Gradients reach only the selected dead latents' rows of W_enc, b_enc and W_dec."""
-        lead = x.shape[:-1]
+        Gradients reach only the selected dead latents' rows of W_enc, b_enc and W_dec. The ranking reuses the
+        training forward's pre-activations when it kept them (`keep_for_auxk`)."""
+        kept, lead = self._take_kept(x), x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])  # (T, I)
-        values, index = dead_relu_topk(x, self.W_enc, self.b_enc, dead_mask, k_aux)  # (T, k_aux) each
+        values, index = dead_relu_topk(x, self.W_enc, self.b_enc, dead_mask, k_aux, pre=kept.get("pre"))
         return sparse_rows_sum(SparseCode(index, values), self.W_dec).view(*lead, -1)  # (..., O)

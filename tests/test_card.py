@@ -82,7 +82,7 @@ def test_card_body_tables(tmp_path):
     assert "| `lr` | 0.0001 |" in text
     assert "| `data` | Skylion007/openwebtext |" in text
     # Intrinsic metrics.
-    assert "| 8 | 0.0123 | 0.0834 | 0.0912 | 4.120e-04 | 32.00 | 17 / 21,490 (0.08%) |" in text
+    assert "| 8 | 0.0123 | 0.0834 | 0.0912 | 4.120e-04 | 32.00 | — | 17 / 21,490 (0.08%) |" in text
     assert "Held-out text, 25,600 tokens." in text
     # CE table.
     for row in (

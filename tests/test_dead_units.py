@@ -198,7 +198,8 @@ def test_kinds_without_auxk_train_without_it_and_say_so(tmp_path):
     torch.manual_seed(0)
     layers = {1: build_sparse_layer(dict(kind="moe_x", d_in=D_MODEL, d_out=D_MODEL, d_expert=8, num_experts=8, k=2))}
     messages = []
-    trainer = _train(layers, FixedBatches(layers, 4), _cfg(auxk_coef=1 / 32), tmp_path, 4, log=messages.append)
+    trainer = _train(layers, FixedBatches(layers, 4), _cfg(auxk_coef=1 / 32, balance="none"), tmp_path, 4,
+                     log=messages.append)
     assert trainer.auxk_layers == set()
     assert messages == [
         "kind(s) moe_x have no AuxK (their units are not chosen by a top-k over their own parameters), so they "
@@ -207,12 +208,19 @@ def test_kinds_without_auxk_train_without_it_and_say_so(tmp_path):
     assert all("auxk" not in r for r in read_log(tmp_path / "train_log.jsonl"))
 
 
-def test_auxk_settings_are_checked():
-    assert TrainConfig().auxk_coef == 1 / 32 and TrainConfig().auxk_k == "auto"  # on by default (the paper's)
+def test_dead_unit_settings_are_checked():
+    # The default handling is the selection-bias balance; AuxK is an option (benchmarks/dead_units.py says why).
+    default = TrainConfig()
+    assert (default.balance, default.balance_rate, default.auxk_coef, default.auxk_k) == ("floor", 10.0, 0.0, "auto")
+    assert default.resample_every_tokens == 0
     with pytest.raises(ValueError, match=r"train.auxk_coef: must be >= 0 \(0 disables AuxK\), got -1"):
         TrainConfig(auxk_coef=-1)
-    with pytest.raises(ValueError, match=r'train.dead_window_tokens: must be >= 1 or "auto", got 0'):
+    with pytest.raises(ValueError, match=r'train.dead_window_tokens: must be >= 1, "auto" or "interval", got 0'):
         TrainConfig(dead_window_tokens=0)
+    with pytest.raises(ValueError, match=r"train.balance_rate: must be > 0, got 0"):
+        TrainConfig(balance_rate=0)
+    with pytest.raises(ValueError, match=r'train.resample_every_tokens: must be >= 0 \(0: off\) or "auto", got -1'):
+        TrainConfig(resample_every_tokens=-1)
 
 
 # -- tokens that matter -------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from expertize.conversion.recipe import recipe_from_dict
 from expertize.conversion.surgery.splice import splice
 from expertize.conversion.upcycle import upcycle
 from expertize.modeling import RoutedNeuronsLayer, RoutedNeuronsSpec, build_sparse_layer, spec_from_dict
-from expertize.modeling import routed_neurons as routed_neurons_module
+from expertize.modeling import sparse_base as sparse_base_module
 from tests.conftest import D_MODEL, check_remote_roundtrip, tiny_base_model
 from tests.reference_mumoe import ACTIVATIONS
 
@@ -79,7 +79,7 @@ def _variant_id(variant: dict) -> str:
 @pytest.mark.parametrize("variant", VARIANTS, ids=_variant_id)
 def test_gathered_path_equals_dense_reference_with_gradients(variant, chunk, monkeypatch):
     if chunk is not None:  # the forward gathers 7 weights at a time: one token per chunk here
-        monkeypatch.setattr(routed_neurons_module, "GATHER_CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(sparse_base_module, "GATHER_CHUNK_ELEMENTS", chunk)
     layer = _layer(**variant)
     x = torch.randn(3, 4, I, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     fast = _outputs_and_grads(layer, layer, x)

@@ -17,6 +17,7 @@ Memory: sequences are processed `cfg.batch_sequences` at a time and only running
 
 import contextlib
 import hashlib
+import math
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from torch import nn
 from expertize.modeling import SparseLayer
 
 from ..data.capture import MlpCapture, kept_positions, replaced_mlps
+from .health import code_health
 from .metrics import ReconstructionStats, kl_base_to_other, next_token_ce
 from .plots import plot_firing_frequency, plot_match_curve
 from ..recipe import EvalConfig
@@ -93,8 +95,8 @@ def _model_device(model: nn.Module) -> torch.device:
 class _UnitFiring:
     """How often each unit of one sparse layer fires (has a nonzero coefficient), and the mean L0 of its code."""
 
-    def __init__(self, num_units: int) -> None:
-        self.num_units = num_units
+    def __init__(self, num_units: int, k: int | None = None) -> None:
+        self.num_units, self.k = num_units, k
         self.counts: torch.Tensor | None = None  # (N,) int64
         self.nonzero = 0
         self.tokens = 0
@@ -109,12 +111,21 @@ class _UnitFiring:
 
     def summary(self) -> dict:
         dead = int((self.counts == 0).sum())
-        return {
+        p = self.counts.double() / max(int(self.counts.sum()), 1)  # (N,) share of the firings
+        entropy = float(-(p[p > 0] * p[p > 0].log()).sum())  # nats; log N when every unit fires equally often
+        out = {
             "l0": self.nonzero / self.tokens,
             "dead_units": dead,
             "dead_fraction": dead / self.num_units,
             "num_units": self.num_units,
+            "usage_entropy": entropy,
+            "effective_units": math.exp(entropy),
         }
+        out["health"] = code_health(
+            dead_fraction=out["dead_fraction"], l0=out["l0"], k=self.k, effective_units=out["effective_units"],
+            num_units=self.num_units,
+        )
+        return out
 
 
 class _CeSums:
@@ -284,7 +295,7 @@ def evaluate_sparse_layers(
     others = () if spliced_model is None else (spliced_model,)
     with _eval_mode(model, *others, *layers.values()):
         stats = {i: ReconstructionStats() for i in indices}
-        firing = {i: _UnitFiring(layers[i].num_units) for i in indices}
+        firing = {i: _UnitFiring(layers[i].num_units, getattr(layers[i], "target_l0", None)) for i in indices}
         ce = _CeSums()
         positions = _Positions(exclude_token_ids)
         means = None if mean_outputs is None else {i: _ConstantMlp(mean_outputs[i].detach()) for i in indices}

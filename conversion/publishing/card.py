@@ -426,6 +426,8 @@ def render_model_card(
         eval_tokens=format_count(metrics.eval_tokens) if metrics.eval_tokens is not None else "",
         metric_header=metric_header,
         metric_rows=metric_rows,
+        health_warnings=[f"layer {i}: {w}" for i, m in sorted(metrics.layers.items(), key=lambda kv: int(kv[0]))
+                         for w in m.health],
         positions_note=_positions_note(metrics.reconstruction_positions),
         ce_rows=_ce_rows(metrics.ce, generation),
         match_rows=_match_rows(list(generation.match_curve) if generation is not None else []),

@@ -141,6 +141,11 @@ class LayerMetrics(_Section):
     dead_units: int | None = None
     dead_fraction: float | None = None
     num_units: int | None = None
+    usage_entropy: float | None = None
+    """Entropy (nats) of the firings' distribution over the units (log N when all fire equally often)."""
+    effective_units: float | None = field(default=None, metadata=_title("effective units (exp entropy)"))
+    health: list[str] = field(default_factory=list)
+    """Warnings about the code (dead, collapsed, concentrated: evaluation/health.py); empty when healthy."""
     firing_frequency_histogram: str | None = None
     """Path of the PNG, relative to the model folder."""
 
@@ -284,6 +289,7 @@ class Metrics(_Section):
                 f"layer {index}: FVU {format_number(layer.fvu)}, NMSE {format_number(layer.nmse_paper)}, "
                 f"L0 {format_number(layer.l0, 2)}, dead {format_percent(layer.dead_fraction)}"
             )
+            lines.extend(f"WARNING layer {index} code {warning}" for warning in layer.health)
         if self.generation is not None and self.generation.match_at_end is not None:
             lines.append(f"greedy continuations identical to base: {format_percent(self.generation.match_at_end)}")
         for task, entry in (self.lm_eval.tasks if self.lm_eval else {}).items():

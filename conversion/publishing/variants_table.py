@@ -1,9 +1,10 @@
 """The comparison table of a recipe's variants: `output_dir/variants.md`, written when every variant is finished and
 printed at the end of `expertize upcycle`.
 
-One row per variant: what it varies (kind, K, units, lr, AuxK coefficient) and its results (ΔCE, KL, FVU, L0 and
-dead units, averaged over the replaced layers when there are several). Read from each variant folder's
-recipe.resolved.yaml and metrics.json, the files a reader would open.
+One row per variant: what it varies (kind, K, units, lr, dead-unit handling) and its results (ΔCE, KL, FVU, L0, dead
+units and effective units, averaged over the replaced layers when there are several), and the code's health
+warnings (evaluation/health.py), listed under the table. Read from each variant folder's recipe.resolved.yaml and
+metrics.json, the files a reader would open.
 """
 
 from pathlib import Path
@@ -18,7 +19,23 @@ __all__ = ["VARIANTS_TABLE", "variants_table", "write_variants_table"]
 
 VARIANTS_TABLE = "variants.md"
 
-_COLUMNS = ("variant", "kind", "K", "units", "lr", "AuxK", "ΔCE", "KL", "FVU", "L0", "dead")
+_COLUMNS = ("variant", "kind", "K", "units", "lr", "dead-unit handling", "ΔCE", "KL", "FVU", "L0", "dead",
+            "effective units", "health")
+
+
+def handling(train: dict) -> str:
+    """The dead-unit handling a resolved `train:` section asks for, in a few words."""
+    parts = []
+    if train.get("balance", "none") != "none":
+        if train["balance"] == "floor":
+            parts.append(f"floor {train.get('balance_floor', '')}".strip())
+        else:
+            parts.append(f"{train['balance']} {train.get('balance_rate', '')}".strip())
+    if train.get("resample_every_tokens"):
+        parts.append(f"resample {train['resample_every_tokens']}")
+    if train.get("auxk_coef"):
+        parts.append(f"AuxK {train['auxk_coef']:g}")
+    return ", ".join(parts) or "none"
 
 
 def _mean(values: list) -> float | None:
@@ -31,6 +48,7 @@ def variants_table(folder: str | Path, names: list[str]) -> str:
     out)."""
     folder = Path(folder)
     rows = ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+    warnings = []
     for name in names:
         run = folder / name
         if not (run / METRICS).is_file():
@@ -41,18 +59,24 @@ def variants_table(folder: str | Path, names: list[str]) -> str:
         layers = list(metrics.layers.values())
         units = _mean([m.num_units for m in layers])
         ce = metrics.ce
+        problems = [f"- {name}, layer {i}: {w}" for i, m in metrics.layers.items() for w in m.health]
+        warnings.extend(problems)
         cells = [
-            name, layer["kind"], layer.get("k"), None if units is None else int(units), train["lr"],
-            train.get("auxk_coef"),
+            name, layer["kind"], layer.get("k"), None if units is None else int(units), train["lr"], handling(train),
             format_number(None if ce is None else ce.delta),
             format_number(None if ce is None else ce.kl_base_spliced),
             format_number(_mean([m.fvu for m in layers])),
             format_number(_mean([m.l0 for m in layers]), 2),
             format_percent(_mean([m.dead_fraction for m in layers]), 1),
+            format_number(_mean([m.effective_units for m in layers]), 0),
+            "⚠ " + ", ".join(sorted({w.split(":")[0] for m in layers for w in m.health})) if problems else "ok",
         ]
         rows.append("| " + " | ".join("–" if c is None else f"{c:g}" if isinstance(c, float) else str(c)
                                       for c in cells) + " |")
-    return "\n".join(rows) + "\n"
+    table = "\n".join(rows) + "\n"
+    if warnings:
+        table += "\nCode health warnings (evaluation/health.py):\n\n" + "\n".join(warnings) + "\n"
+    return table
 
 
 def write_variants_table(folder: str | Path, names: list[str]) -> Path:

@@ -36,8 +36,11 @@ def resolve_layers(recipe: Recipe, num_layers: int) -> list[int]:
     return sorted(recipe.layers)
 
 
-def resolve_layer_spec(layer: LayerConfig, shape: MlpShape) -> SparseSpec:
-    """Build the validated sparse layer spec for one MLP of shape `shape` from the recipe's `layer:` section."""
+def resolve_layer_spec(layer: LayerConfig, shape: MlpShape, balance: str = "none") -> SparseSpec:
+    """Build the validated sparse layer spec for one MLP of shape `shape` from the recipe's `layer:` section.
+
+    `balance` is the recipe's `train.balance`: "bias" gives the kinds that choose a top K a selection bias
+    (`selection_bias: true`, the buffer the balancer moves); other kinds are built as they are."""
     spec_cls = spec_class(layer.kind)
     spec_fields = spec_field_names(layer.kind)
     units, match_field = spec_cls.units_field, spec_cls.size_field()
@@ -55,6 +58,8 @@ def resolve_layer_spec(layer: LayerConfig, shape: MlpShape) -> SparseSpec:
         units: getattr(layer, units),
     }
     fields.update({name: value for name, value in explicit.items() if name in spec_fields and value is not None})
+    if balance != "none" and "selection_bias" in spec_fields:
+        fields["selection_bias"] = True
     fields.update(layer.options)
 
     derived = ""

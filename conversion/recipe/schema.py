@@ -84,18 +84,49 @@ class TrainConfig:
     """Layer-wise distillation on captured activations. false: skip it (e.g. a MoE initialized from the dense MLP
     and then healed end to end; needs a `heal:` section)."""
 
-    auxk_coef: float = 1 / 32
+    auxk_coef: float = 0.0
     """AuxK (Gao et al. 2024, §A.2; training/auxk.py): weight of the auxiliary loss in which the `auxk_k` highest
-    scoring *dead* units (not fired for `dead_window_tokens` tokens) reconstruct the main path's error. Default: the
-    paper's 1/32 (benchmarks/dead_units.py: dead units 32% -> 13% for MxD K=8 at equal FVU); 0 disables it. Kinds without AuxK (moe_x, monet_*, mumoe_*) train without it, with a note in the log."""
+    scoring *dead* units (not fired for `dead_window_tokens` tokens) reconstruct the main path's error (the paper's
+    coefficient is 1/32); 0 (default) disables it. Off by default: on the quickstart it left more units dead than no
+    handling at all (50 % -> 72 % at K = 8: revived units turn into generalists; benchmarks/dead_units.py), while
+    the default `balance: floor` leaves none. Kinds without AuxK (moe_x, monet_*, mumoe_*) train without it, with a note."""
 
     auxk_k: int | Literal["auto"] = "auto"
     """k_aux, the dead units AuxK uses per token: "auto" = min(512, d_out / 2) (the paper's 512 for wide models,
     sparsify's d / 2 below 1024 dims) or a number."""
 
-    dead_window_tokens: int | Literal["auto"] = "auto"
+    dead_window_tokens: int | Literal["auto", "interval"] = "auto"
     """A unit is dead when it has not fired for this many training tokens (used by AuxK and the logged dead count):
-    "auto" = min(10M (the paper's), 1/40 of the run's training tokens), in whole steps, or a number."""
+    "auto" = min(10M (the paper's), 1/40 of the run's training tokens), in whole steps; "interval" = the window in
+    which a unit at its fair share K / N fires 50 times (training/resample.py's rule); or a number."""
+
+    balance: Literal["none", "bias", "floor"] = "floor"
+    """Auxiliary-loss-free balancing (DeepSeek-V3 §2.1.2; training/balance.py): every kind that chooses a top K
+    (mxd, transcoders, routed_neurons, moe_x's router) gets a per-unit selection bias, added to the scores only to
+    choose (never to weight), moved after every step by `balance_rate` x the learning rate x the scores' scale. It is
+    part of the saved model (routing at inference uses it).
+    "floor" (default): the bias rises only for a unit chosen on fewer than `balance_floor` x its fair share K / units
+    of the tokens and decays back to 0 above it, so rare units are kept alive while frequent units keep their natural
+    rates (on the quickstart: 0 % dead at K = 8, 16, 32 and a lower FVU than no handling; benchmarks/dead_units.py).
+    "bias": DeepSeek's symmetric rule, every unit pushed toward exactly K / units (up below, down above); it also
+    stops an MxD code collapsing at a too-high learning rate, but costs fidelity wherever the natural rates are
+    unequal (FVU up to 1.6x on the tiny transcoder rows). "none": plain top-K."""
+
+    balance_floor: float = 0.3
+    """`balance: floor`: keep every unit chosen on at least this fraction of its fair share K / units of the tokens
+    (the bias rises below it and decays to 0 above it, so frequent units keep their natural rates). 0.3 left fewer
+    dead units than 0.1 on the quickstart (0 % vs 1.7 % at K = 8) at equal or lower FVU."""
+
+    balance_rate: float = 10.0
+    """Step of the selection-bias update per training step, as a multiple of the step's learning rate, in units of
+    the mean |selected score| (`train.balance: bias`): it keeps pace with the scores, which AdamW moves by about one
+    learning rate per step."""
+
+    resample_every_tokens: int | Literal["auto"] = 0
+    """Resampling of dead units (Bricken et al. 2023; training/resample.py): every this many training tokens, units
+    that have not fired since the last check are re-pointed at inputs with a large error and their optimizer
+    moments reset (kinds with `resample_units`: mxd, transcoders, routed_neurons), until 60 % of the run. "auto":
+    the window in which a unit at its fair share K / N fires 50 times; 0: off."""
 
     log_with: Literal[
         "none", "tensorboard", "wandb", "trackio", "aim", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab"
@@ -129,10 +160,16 @@ class TrainConfig:
             )
         if not self.auxk_coef >= 0:
             raise ValueError(f"train.auxk_coef: must be >= 0 (0 disables AuxK), got {self.auxk_coef}")
-        for name in ("auxk_k", "dead_window_tokens"):
-            value = getattr(self, name)
-            if value != "auto" and value < 1:
-                raise ValueError(f'train.{name}: must be >= 1 or "auto", got {value}')
+        if not self.balance_rate > 0:
+            raise ValueError(f"train.balance_rate: must be > 0, got {self.balance_rate}")
+        if self.auxk_k != "auto" and self.auxk_k < 1:
+            raise ValueError(f'train.auxk_k: must be >= 1 or "auto", got {self.auxk_k}')
+        if self.dead_window_tokens not in ("auto", "interval") and self.dead_window_tokens < 1:
+            raise ValueError(f'train.dead_window_tokens: must be >= 1, "auto" or "interval", got {self.dead_window_tokens}')
+        if self.resample_every_tokens != "auto" and self.resample_every_tokens < 0:
+            raise ValueError(
+                f'train.resample_every_tokens: must be >= 0 (0: off) or "auto", got {self.resample_every_tokens}'
+            )
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise ValueError(f"train.device: expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', got {self.device!r}")
 

@@ -25,6 +25,8 @@ from ..data.activations import ActivationBatches
 from ..evaluation.metrics import LOSSES
 from ..recipe import TrainConfig
 from .auxk import DeadUnitTracker, auto_k_aux, auxk_loss, dead_window_tokens, fired_units, supports_auxk
+from .balance import SelectionBalancer, balanced
+from .resample import UNTIL_FRACTION, Resampler, auto_every_tokens, supports_resampling
 from .engine import Engine, OptimConfig, remove_hooks, run_paths
 
 
@@ -96,11 +98,13 @@ class Trainer(Engine):
         )
         self.log_path = self.train_log.path
         self.loss_fn = LOSSES[cfg.loss]
-        self.window_tokens = (
-            dead_window_tokens(total_steps * cfg.tokens_per_step, cfg.tokens_per_step)
-            if cfg.dead_window_tokens == "auto"
-            else cfg.dead_window_tokens
-        )
+        first = next(iter(layers.values()))  # every layer of a run has the same spec
+        if cfg.dead_window_tokens == "auto":
+            self.window_tokens = dead_window_tokens(total_steps * cfg.tokens_per_step, cfg.tokens_per_step)
+        elif cfg.dead_window_tokens == "interval":
+            self.window_tokens = auto_every_tokens(first.num_units, getattr(first.spec, "k", 1), cfg.tokens_per_step)
+        else:
+            self.window_tokens = cfg.dead_window_tokens
         self.dead_units = {
             i: DeadUnitTracker(layer.num_units, self.window_tokens, device=accelerator.device)
             for i, layer in layers.items()
@@ -109,6 +113,25 @@ class Trainer(Engine):
         self.k_aux = {
             i: auto_k_aux(layers[i].spec.d_out) if cfg.auxk_k == "auto" else cfg.auxk_k for i in self.auxk_layers
         }
+        self.balancers = {
+            i: SelectionBalancer(layer, cfg.balance_rate, cfg.balance_floor if cfg.balance == "floor" else None)
+            for i, layer in layers.items()
+            if cfg.balance != "none" and balanced(layer)
+        }
+        run_tokens = total_steps * cfg.tokens_per_step
+        self.resamplers = {
+            i: Resampler(
+                layer,
+                auto_every_tokens(layer.num_units, getattr(layer.spec, "k", 1), cfg.tokens_per_step)
+                if cfg.resample_every_tokens == "auto"
+                else cfg.resample_every_tokens,
+                until_tokens=int(UNTIL_FRACTION * run_tokens),
+                seed=cfg.seed + i,
+            )
+            for i, layer in layers.items()
+            if cfg.resample_every_tokens and supports_resampling(layer)
+        }
+        self._step_errors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (x, y - ŷ) of the step, resampling
         self.mean_outputs: dict[int, torch.Tensor] = {}
         self._codes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._hooks = [layer.code_hook.register_forward_hook(self._record_code(i)) for i, layer in layers.items()]
@@ -122,6 +145,23 @@ class Trainer(Engine):
             self._codes[index] = (code.top_k_index.detach(), code.top_k_weights.detach())
 
         return hook
+
+    def balance_note(self) -> str | None:
+        """What the selection-bias balancing does in this run, one line (None when train.balance is none)."""
+        cfg = self.cfg
+        if cfg.balance == "none":
+            return None
+        rule = f"floor {cfg.balance_floor:g} of the fair share" if cfg.balance == "floor" else "every unit to its share"
+        parts = []
+        if self.balancers:
+            parts.append(f"balance {cfg.balance} ({rule}, rate {cfg.balance_rate:g} x lr) for layer(s) "
+                         f"{sorted(self.balancers)}")
+        without = sorted(i for i in self.layers if i not in self.balancers)
+        if without:
+            kinds = ", ".join(sorted({self.layers[i].spec.kind for i in without}))
+            parts.append(f"layer(s) {without} ({kinds}) have no selection bias (no top K chosen by a score, or "
+                         "spec.selection_bias false), so they train without balancing")
+        return "; ".join(parts)
 
     def auxk_note(self) -> str | None:
         """What AuxK does in this run, one line (None when train.auxk_coef is 0)."""
@@ -149,7 +189,7 @@ class Trainer(Engine):
 
     def begin(self, resumed: bool) -> None:
         self.model.train()
-        note = self.auxk_note()
+        note = "; ".join(n for n in (self.balance_note(), self.auxk_note()) if n)
         if note:
             self._say(note if self.name == type(self).name else f"{self.name}: {note}")
 
@@ -167,9 +207,14 @@ class Trainer(Engine):
             self.mean_outputs[i] = mean.cpu()
 
     def compute_loss(self, batch):
+        for i in self.auxk_layers:  # the forward keeps its dense pre-activations for AuxK when it runs this step
+            self.layers[i].keep_for_auxk = self.dead_units[i].may_have_dead
         with self.autocast:
             outputs = self.model({str(i): x for i, (x, _) in batch.items()})
         losses = {i: self.loss_fn(outputs[str(i)].float(), y.float()) for i, (_, y) in batch.items()}
+        for i in self.resamplers:
+            x, y = batch[i]
+            self._step_errors[i] = (x.detach(), (y - outputs[str(i)]).detach())
         # Routed layers' own auxiliary losses (load balance, ...), already weighted by their specs.
         aux = [layer.aux_loss for layer in self.layers.values() if layer.aux_loss is not None]
         total = sum(losses.values()) + sum(aux)
@@ -185,14 +230,25 @@ class Trainer(Engine):
         return total, (losses, auxk)
 
     def track(self, parts) -> None:
-        """Every step: which units fired (device-side; OR-reduced over ranks so every rank agrees on the dead mask
-        AuxK acts on)."""
+        """Every step, device-side: which units fired (OR-reduced over ranks so every rank agrees on the dead masks
+        AuxK and resampling act on); resampling when due; the selection biases' update."""
+        reduce = (lambda t: self.accelerator.reduce(t, reduction="mean")) if self.num_processes > 1 else None
         for i in parts[0]:
             index, weights = self._codes[i]  # (T, K) each: this step's code (its kept positions only)
             fired = fired_units(index, weights, self.layers[i].num_units)  # (N,) bool
             if self.num_processes > 1:
                 fired = self.accelerator.reduce(fired.int(), reduction="sum") > 0
             self.dead_units[i].update_fired(fired, self.tokens_per_step)  # global tokens of the step's stream
+            if i in self.resamplers:
+                self.resamplers[i].update_fired(fired, self.tokens_per_step)
+                if self.resamplers[i].due:
+                    self.resamplers[i].resample(*self._step_errors[i], self.optimizer, reduce=reduce)
+        for i, balancer in self.balancers.items():
+            load, scale = balancer.step_stats(*self._codes[i])
+            if self.num_processes > 1:  # every rank moves the bias the same way
+                load = self.accelerator.reduce(load, reduction="mean")
+                scale = self.accelerator.reduce(scale, reduction="mean")
+            balancer.update(load, scale, lr=self.optimizer.param_groups[0]["lr"], step_tokens=self.tokens_per_step)
 
     def record(self, parts) -> dict:
         losses, auxk = parts
@@ -207,6 +263,8 @@ class Trainer(Engine):
             }
             if i in auxk:
                 entry["auxk"] = auxk[i].item()
+            if i in self.resamplers:
+                entry["resampled"] = self.resamplers[i].resampled
             per_layer[str(i)] = entry
             units += self.layers[i].num_units
         record = {
@@ -232,6 +290,8 @@ class Trainer(Engine):
         return {
             "mean_outputs": self.mean_outputs,
             "dead_units": {i: tracker.state_dict() for i, tracker in self.dead_units.items()},
+            "resamplers": {i: resampler.state_dict() for i, resampler in self.resamplers.items()},
+            "balancers": {i: balancer.state_dict() for i, balancer in self.balancers.items()},
         }
 
     def load_extra_state(self, state: dict) -> None:
@@ -239,6 +299,10 @@ class Trainer(Engine):
         # A checkpoint from before the trackers (no "dead_units") restarts the dead-unit count from this step.
         for i, saved in state.get("dead_units", {}).items():
             self.dead_units[i].load_state_dict(saved)
+        for i, saved in state.get("resamplers", {}).items():
+            self.resamplers[i].load_state_dict(saved)
+        for i, saved in state.get("balancers", {}).items():
+            self.balancers[i].load_state_dict(saved)
 
     # -- public -----------------------------------------------------------------------------------------------------
 

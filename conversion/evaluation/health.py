@@ -1,0 +1,46 @@
+"""Is the sparse code alive and really sparse? Warnings read off a layer's held-out unit statistics.
+
+A faithful layer is not a success when its code is dead or collapsed: an MxD whose gate scores turned negative on
+almost every token keeps a tiny ΔCE through its dense hidden path while its "experts" say nothing, and units that
+never fire are parameters nobody can read. Each warning names what was measured, why it happens and the fix; the
+end-of-run summary, metrics.json (`layers.<i>.health`), variants.md and the model card show them.
+
+Bounds (held-out tokens, `evaluation.evaluate`):
+- dead: more than DEAD_BOUND of the units never fired;
+- collapsed: a top-K kind's mean L0 below COLLAPSE_BOUND · K (most selected units have a zero weight);
+- concentrated: the effective number of units exp(H) of the firing distribution below CONCENTRATION_BOUND of the
+  units that fire at all (a few units take most of the firings).
+"""
+
+DEAD_BOUND = 0.10
+COLLAPSE_BOUND = 0.5
+CONCENTRATION_BOUND = 0.1
+
+
+def code_health(
+    *, dead_fraction: float, l0: float, k: int | None, effective_units: float | None, num_units: int
+) -> list[str]:
+    """Warnings for one layer's code (empty when healthy). `k`: the kind's top K (None for kinds without one)."""
+    warnings = []
+    if dead_fraction > DEAD_BOUND:
+        warnings.append(
+            f"dead: {dead_fraction:.0%} of the {num_units} units never fired on the held-out tokens (bound "
+            f"{DEAD_BOUND:.0%}): they lost the top-K competition early and then got no gradient. Fix: train.balance: "
+            "floor (the default; a higher train.balance_floor, or train.resample_every_tokens: auto for units "
+            "already dead), more data.train_tokens"
+        )
+    if k is not None and l0 < COLLAPSE_BOUND * k:
+        warnings.append(
+            f"collapsed: mean L0 {l0:.1f} of K={k} (bound {COLLAPSE_BOUND:g}·K): most selected units have a zero "
+            "weight (their scores are negative), so a dense path (MxD's hidden code, a skip connection) does the "
+            "work and the code explains little. Fix: a lower train.lr, or train.balance: bias (the symmetric rule, "
+            "which holds every unit at K / units)"
+        )
+    live = num_units * (1 - dead_fraction)
+    if effective_units is not None and live >= 1 and effective_units < CONCENTRATION_BOUND * live:
+        warnings.append(
+            f"concentrated: the firings spread like {effective_units:.0f} equally used units, of {live:.0f} that "
+            f"fire (bound {CONCENTRATION_BOUND:.0%}): a few units take most tokens. Fix: train.balance: bias (every "
+            "unit held at its fair share)"
+        )
+    return warnings
