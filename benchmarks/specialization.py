@@ -1,61 +1,66 @@
-"""Do the experts specialize? Every kind on one table: faithfulness beside domain masking, sparse probing, steering.
+"""Do the experts specialize? Every kind on one table: faithfulness beside domain masking, sparse probing, steering,
+every figure with its confidence interval, the headline rows repeated over seeds.
 
 One MLP of a real multi-domain model (SmolLM2-135M-Instruct, made by shared/tools/get_smollm2.py) is replaced by
-each kind. All kinds are variants of ONE recipe (`variants:`, one per kind, each a complete model folder
-RUNS/runs/KIND; benchmarks/_runs.run_variants): they train on one activation capture of the base model, the
-expensive part on CPU, with the same tokens in the same order and the same optimizer settings (a variant's weights
-are those of training it alone). Each variant's `layer:` section names its kind (sizes as benchmarks/all_kinds.py:
-every kind parameter-matched to a TopK transcoder with F·d_in latents, F = --match-transcoder; the per-kind settings
-are all_kinds.KIND_SETTINGS). Data: named domain corpora (DIR/{code,docs,wiki,literature,stories}.jsonl, made by
-shared/tools/domain_corpora.py).
+each kind. Per seed, all kinds are variants of ONE recipe (`variants:`, one per kind, each a complete model folder
+RUNS/seed<S>/runs/KIND; benchmarks/_runs.run_variants) trained from ONE activation cache (`expertize capture`, README
+"Capture once, train many": the base model runs once per seed; a rerun with --runs-dir, more kinds or another --lr
+reuses the cache), with the same tokens in the same order and the same optimizer settings. Each variant's `layer:`
+section names its kind (sizes as benchmarks/all_kinds.py: every kind parameter-matched to a TopK transcoder with
+F·d_in latents, F = --match-transcoder; per-kind settings all_kinds.KIND_SETTINGS). Data: named domain corpora
+(DIR/{code,docs,wiki,literature,stories}.jsonl, made by shared/tools/domain_corpora.py).
+
+Seeds (--seeds, default 0,1,2): each seed is a different document split (seeded hash), a different training order
+and initialization (data.seed = train.seed = the seed) and different random controls. The summary table gives each
+headline figure as mean ± standard deviation over the seeds, with how many seeds found it significant.
 
 Split (conversion/specialization/splits.py): every document goes to the fit or the eval side by a seeded hash of its
 text (--eval-fraction of them to eval). The sparse layer is trained on fit documents only (interleaved round-robin
-across domains, so each domain contributes documents in turn); units are assigned, steering units chosen and probes
-trained on fit documents; every masking ΔCE, probe F1 and steering effect is measured on eval documents. (The FVU / ΔCE
-columns are the upcycle run's own held-out part of the fit documents, never trained on.)
+across domains); units are assigned, steering units chosen and probes trained on fit documents; every masking ΔCE,
+probe F1 and steering effect is measured on eval documents, each document contributing at most --document-tokens
+tokens (default: one context), so the eval budget spans many documents. (The ΔCE / FVU columns are the upcycle run's
+own held-out part of the fit documents, never trained on.)
+
+Intervals: 95 % bootstrap over eval documents (conversion/specialization/bootstrap.py, --bootstrap replicates); a
+figure whose interval holds its random control's value is marked "n.s.". Masking and steering run on the blocks from
+the sparse layer up only (conversion/specialization/suffix.py: bit for bit the full forward's CE); the benchmark times
+one masking condition both ways on the first kind and prints the speed-up.
 
 Columns: ΔCE and FVU of the run (metrics.json), dead % on the fit text of the specialization pass; masking
 specificity = mean ΔCE(domain) / mean ΔCE(other domains) when each domain's Monet-assigned units are ablated (ratio of
 means over the domains that have units), beside the same for as many random live units; best 1-D probe F1 and
-k-sparse probe F1 at k=1 and k=8 (mean over domains; dense MLP neurons as the baseline row); steering effect = CE drop
-on the steered unit's domain minus the mean drop on the others (nats), beside a random live unit's. μMoE: a unit
-(expert) "fires" where its entmax gate is > 0, so its frequency-based assignment is weaker than for TopK codes.
-
-A PNG (--png) plots masking specificity against ΔCE per kind, each beside its random-live-units control.
+k-sparse probe F1 at k=1 and k=8 (mean over domains; random live units as the control; dense MLP neurons as the
+baseline row); steering effect = CE drop on the steered unit's domain minus the mean drop on the others (nats),
+beside a random live unit's.
 
 Run:  python benchmarks/specialization.py --domains DIR --model SMOLLM2_DIR [--quick | --full-cpu]
-          [--png docs/specialization.png] [--out docs/specialization.md] [--runs-dir RUNS]
+          [--seeds 0,1,2] [--png docs/specialization.png] [--out docs/specialization.md] [--runs-dir RUNS]
 
-Cost model (why the CPU budgets are so small): every masking / steering measurement is a full forward of SmolLM2 over
-every domain's eval text (a model truncated to fewer layers was tried and is useless, its CE is ~20 nats). With D
-domains, F fit and E eval tokens per domain, one kind's specialization pass forwards 2·D·F tokens (unit statistics,
-pooled codes) + D·E (base CE) + 2·D²·E (masking: each domain's units and the random control, on every domain) +
-2·D²·E (steering, likewise) + D·E (pooled codes), i.e. 10·F + 110·E tokens at D = 5, plus the dense baseline's
-D·(F + E) once. Training costs one capture of --train-tokens plus each variant's held-out evaluation. Measured on 2
-shared CPU cores under `nice -n 15` (load 5-7): SmolLM2 forwards ~35-50 tokens/s (a 512x576x1536 matmul at
-~20 GFLOP/s); --quick (2 kinds, 3 domains, context 64, 256 fit / 128 eval tokens) took 9m36s: training 106s (one
-capture of 8,192 tokens, 2 variants), specialization ~200 s per kind.
+Cost model: with D domains, F fit and E eval tokens per domain, one kind's specialization pass is one full forward
+over D·F fit tokens (unit statistics and pooled codes together) and one over D·E eval tokens (base CE, pooled codes,
+the prefix record), then 4·D conditions (D masking + D controls, D steering + D controls) over the D·E eval tokens on
+the suffix only (blocks L…end: on SmolLM2 layer 15 of 30, about half a forward); plus the dense baseline's D·(F + E)
+once per seed, and per seed one capture of --train-tokens and each variant's held-out evaluation.
 
---quick (a smoke-scale run, < 10 minutes): layer 15, 3 domains (code, wiki, stories), 2 kinds (mxd, transcoder),
-context 32, the 8x transcoder budget, 8,192 training tokens (32 steps of 256), 256 fit and 64 eval tokens per domain
-(8 and 2 contexts), 20 units tried as 1-D probes. Its numbers show the pipeline runs, not what the seeds claim.
+--quick (a smoke-scale run, < 10 minutes on 2 idle cores): layer 15, 3 domains (code, wiki, stories), 2 kinds (mxd,
+transcoder), 3 seeds, context 32, the 8x transcoder budget, 4,096 training tokens (16 steps of 256), 256 fit and 256
+eval tokens per domain (at most 32 tokens per document: 8 eval documents per domain), 20 units tried as 1-D probes,
+200 bootstrap replicates. Its numbers show the pipeline runs, not what the seeds claim.
 
---full-cpu (the full table, ~45-60 minutes on 2 shared cores under `nice -n 15`): layer 15, all 5 domains, all 7
-kinds of DEFAULT_KINDS, context 32, the 8x transcoder budget, 32,768 training tokens (128 steps of 256; 512 held-out
-tokens for ΔCE / FVU), 512 fit and 64 eval tokens per domain (16 and 2 contexts), 100 units tried as 1-D probes:
-~12,000 forwarded tokens per kind. It is the largest budget the cost model fits in an hour there, and still tiny:
-the layers are far from converged and every masking / steering ΔCE is measured on 62 predicted tokens per domain,
-probe F1 on 2 held-out contexts per domain. A GPU runs the defaults (262,144 training tokens, 8,192 fit / 2,048
-eval tokens per domain, context 128) with --device cuda.
+--full-cpu: layer 15, all 5 domains, all 7 kinds of DEFAULT_KINDS, 3 seeds, context 32, the 8x transcoder budget,
+32,768 training tokens (128 steps of 256; 512 held-out tokens for ΔCE / FVU), 512 fit and 128 eval tokens per domain,
+100 units tried as 1-D probes. A GPU runs the defaults (262,144 training tokens, 8,192 fit / 2,048 eval tokens per
+domain, context 128) with --device cuda.
 """
 
 import argparse
+import hashlib
 import itertools
 import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -67,13 +72,21 @@ from all_kinds import KIND_SETTINGS
 
 DEFAULT_KINDS = ("mxd", "transcoder", "skip_transcoder", "moe_x", "monet_vd", "routed_neurons", "mumoe_cp")
 QUICK = dict(layer=15, domain_names="code,wiki,stories", kinds="mxd,transcoder", context_length=32,
-             train_tokens=8192, tokens_per_step=256, fit_tokens=256, eval_tokens=64, upcycle_eval_tokens=256,
-             probe_top=20)
-# The largest budget of the full table (7 kinds, 5 domains, layer 15) that 2 shared CPU cores finish in ~45-60 min
-# under `nice -n 15` (module docstring: the cost model and the measurement it was extrapolated from).
+             train_tokens=4096, tokens_per_step=256, fit_tokens=256, eval_tokens=256, upcycle_eval_tokens=256,
+             probe_top=20, bootstrap=200)
 FULL_CPU = dict(layer=15, domain_names="code,docs,literature,stories,wiki", kinds=",".join(DEFAULT_KINDS),
-                context_length=32, train_tokens=32_768, tokens_per_step=256, fit_tokens=512, eval_tokens=64,
+                context_length=32, train_tokens=32_768, tokens_per_step=256, fit_tokens=512, eval_tokens=128,
                 upcycle_eval_tokens=512, probe_top=100)
+# (summary key, its random control's key or None, column title, format) of the headline figures.
+HEADLINE = (
+    ("delta_ce", None, "ΔCE", "+.4f"), ("fvu", None, "FVU", ".4f"), ("dead_pct", None, "dead %", ".1f"),
+    ("specificity", "random_specificity", "masking specificity", ".2f"),
+    ("mask_delta_target", "random_mask_delta_target", "masking ΔCE target", "+.4f"),
+    ("mask_delta_others", None, "masking ΔCE others", "+.4f"),
+    ("probe_best_1d", "random_probe_best_1d", "best 1-D F1", ".3f"),
+    ("probe_f1_k1", "random_probe_f1_k1", "F1 k=1", ".3f"), ("probe_f1_k8", "random_probe_f1_k8", "F1 k=8", ".3f"),
+    ("steering_effect", "random_steering_effect", "steering effect, nats", "+.4f"),
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -83,8 +96,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", required=True, help="the dense base model folder (e.g. SmolLM2-135M-Instruct)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="the smoke-scale settings of the module docstring")
-    mode.add_argument("--full-cpu", action="store_true",
-                      help="the full table at the CPU budget of the module docstring (~45-60 min on 2 shared cores)")
+    mode.add_argument("--full-cpu", action="store_true", help="the CPU-budget table of the module docstring")
     p.add_argument("--domain-names", default=None, help="comma-separated corpora of --domains (default: all)")
     p.add_argument("--kinds", default=",".join(DEFAULT_KINDS), help="comma-separated kinds")
     p.add_argument("--layer", type=int, default=None, help="decoder layer to replace (default: the middle one)")
@@ -94,20 +106,26 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fit-tokens", type=int, default=8192, help="fit tokens per domain (default 8192)")
     p.add_argument("--eval-tokens", type=int, default=2048, help="eval tokens per domain (default 2048)")
     p.add_argument("--eval-fraction", type=float, default=0.3, help="documents held out for evaluation (0.3)")
+    p.add_argument("--document-tokens", type=int, default=None,
+                   help="at most this many tokens per document on both sides (default: the context length)")
     p.add_argument("--context-length", type=int, default=128, help="tokens per sequence (default 128)")
     p.add_argument("--lr", type=float, default=1e-2, help="AdamW lr shared by all kinds (default 1e-2)")
     p.add_argument("--tokens-per-step", type=int, default=1024, help="tokens per optimizer step (default 1024)")
     p.add_argument("--probe-top", type=int, default=100, help="units tried as 1-D probes (default 100)")
     p.add_argument("--steer-scale", type=float, default=4.0, help="λ / the unit's mean activation (default 4)")
-    p.add_argument("--seed", type=int, default=0, help="split, data, init and control seed (default 0)")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds: split, data order, init, controls")
+    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates over documents (default 1000)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--runs-dir", default=None, help="keep runs here (default: a temporary folder, removed)")
+    p.add_argument("--runs-dir", default=None, help="keep runs and caches here (default: a temporary folder)")
     p.add_argument("--png", default="specialization.png", help="where to write the plot (default specialization.png)")
-    p.add_argument("--out", default=None, help="also write the Markdown table here")
+    p.add_argument("--out", default=None, help="also write the Markdown tables here")
     args = p.parse_args()
     if args.quick or args.full_cpu:  # the mode's values are defaults: options given explicitly still win
         p.set_defaults(**(QUICK if args.quick else FULL_CPU))
         args = p.parse_args()
+    args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    args.document_tokens = args.document_tokens or args.context_length
     return args
 
 
@@ -119,9 +137,8 @@ def interleave(docs: dict[str, list[str]]) -> list[dict]:
     return out
 
 
-def build_tree(args, base: str, kinds: list[str], corpus: Path, out_dir: Path) -> dict:
-    """One recipe, one variant per kind (output_dir/KIND): every kind trains on the same single activation capture
-    of the base model (the expensive part on CPU), with the same tokens in the same order and the same optimizer."""
+def build_tree(args, base: str, kinds: list[str], corpus: Path, out_dir: Path, seed: int) -> dict:
+    """One recipe, one variant per kind (output_dir/KIND), all trained on the same activation stream."""
     layer = lambda kind: {"kind": kind, "match_transcoder": args.match_transcoder, **KIND_SETTINGS[kind]}  # noqa: E731
     return {
         "base_model": base, "dtype": "float32", "layers": [args.layer],
@@ -129,17 +146,27 @@ def build_tree(args, base: str, kinds: list[str], corpus: Path, out_dir: Path) -
         "variants": [{"name": kind, "layer": layer(kind)} for kind in kinds],
         "data": {"source": "jsonl", "paths": [str(corpus)], "context_length": args.context_length,
                  "train_tokens": args.train_tokens, "eval_tokens": args.upcycle_eval_tokens, "eval_fraction": 0.1,
-                 "shuffle_documents": True, "seed": args.seed},
+                 "shuffle_documents": True, "seed": seed},
         "train": {"lr": args.lr, "warmup_steps": min(50, max(1, args.train_tokens // args.tokens_per_step // 10)),
                   "schedule": "cosine", "min_lr_ratio": 0.1, "tokens_per_step": args.tokens_per_step,
                   "loss": "nmse", "precision": "fp32", "grad_clip": 1.0, "checkpoint_every": 0, "log_every": 50,
-                  "seed": args.seed, "device": args.device},
+                  "seed": seed, "device": args.device},
         "eval": {"batch_sequences": 8, "generation_prompts": 0, "histogram": False},
         "output_dir": str(out_dir),
     }
 
 
-def train_kinds(args, base: str, kinds: list[str], corpus: Path, out_dir: Path) -> tuple[dict, dict, float | None]:
+def capture_once(tree: dict, folder: Path) -> Path:
+    """The recipe's activation cache (`expertize capture`), written once and reused by every later run."""
+    from expertize.conversion.data.cache import capture_activations
+    from expertize.conversion.recipe import recipe_from_dict
+
+    if not (folder / "cache.json").is_file():
+        capture_activations(recipe_from_dict(tree, source=__file__), folder)
+    return folder
+
+
+def train_kinds(tree: dict, kinds: list[str], out_dir: Path) -> tuple[dict, dict, float | None]:
     """Train every kind as a variant of one recipe; returns ({kind: metrics} of the published ones, {kind: failure
     message} of the others, seconds or None when all were already finished). A variant that diverges is not
     published (upcycle raises RunFailed after publishing the others): it becomes a failure row, the rest go on."""
@@ -147,7 +174,7 @@ def train_kinds(args, base: str, kinds: list[str], corpus: Path, out_dir: Path) 
     from expertize.conversion.publishing.run_folder import METRICS
 
     try:
-        metrics, seconds = run_variants(build_tree(args, base, kinds, corpus, out_dir), __file__)
+        metrics, seconds = run_variants(tree, __file__)
         return metrics, {}, seconds
     except RunFailed as error:
         message = str(error).splitlines()[0][:300]
@@ -156,17 +183,177 @@ def train_kinds(args, base: str, kinds: list[str], corpus: Path, out_dir: Path) 
         return done, {k: f"not published: {message}" for k in kinds if k not in done}, None
 
 
-def _f(value, fmt):
-    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
+def speedup(model, layer_index: int, held: dict, documents: dict, batch_size: int) -> str:
+    """One masking condition (ablating 8 units) over every domain's eval text: full forward vs suffix."""
+    from expertize.conversion.specialization import Condition, SuffixRunner, condition_ce
+
+    layer = model.sparse_layers()[layer_index]
+    runner, condition = SuffixRunner(model, layer_index), [Condition(ablate=tuple(range(8)))]
+
+    def seconds(conditions, **options):
+        start = time.perf_counter()
+        sums = [condition_ce(runner, layer, held[n], documents[n], conditions, batch_size, check=False,
+                             **options).conditions for n in held]
+        return time.perf_counter() - start, sums
+
+    base, _ = seconds([])
+    suffix, a = seconds(condition)
+    full, b = seconds(condition, full_forward=True)
+    same = all(torch.equal(x, y) for x, y in zip(a, b))
+    per_suffix, per_full = max(suffix - base, 1e-9), max(full - base, 1e-9)
+    return (f"one masking condition over the eval text: full forward {per_full:.2f}s, suffix (layer {layer_index} of "
+            f"{len(runner.blocks)}) {per_suffix:.2f}s: {per_full / per_suffix:.2f}x; prefix record {base:.2f}s per "
+            f"evaluation; identical CE: {same}")
+
+
+def run_seed(args, seed: int, names: list[str], kinds: list[str], root: Path, tokenizer, base) -> dict:
+    """Split, capture, train and measure every kind at one seed; returns its rows, dense baseline and failures."""
+    from expertize.conversion.specialization import (
+        SpecializationSettings, content_mask, pack_documents, pack_with_documents, pooled_dense, probe_domains,
+        read_documents, specialize, split_documents,
+    )
+    from expertize.conversion.specialization.bootstrap import domain_weights
+    from expertize.conversion.specialization.report import _labelled
+    from expertize.conversion.surgery.families import decoder_blocks
+    from expertize.conversion.surgery.splice import load_expertize_model
+
+    folder = root / f"seed{seed}"
+    folder.mkdir(parents=True, exist_ok=True)
+    fit_docs, eval_docs = {}, {}
+    for n in names:
+        fit_docs[n], eval_docs[n] = split_documents(read_documents(n, str(Path(args.domains) / f"{n}.jsonl")),
+                                                    seed, args.eval_fraction)
+    corpus = folder / "fit_documents.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in interleave(fit_docs)), encoding="utf-8")
+    cap = args.document_tokens
+    fit = {n: pack_documents(n, d, tokenizer, args.fit_tokens, args.context_length, cap) for n, d in fit_docs.items()}
+    held, documents = {}, {}
+    for n, d in eval_docs.items():
+        held[n], documents[n] = pack_with_documents(n, d, tokenizer, args.eval_tokens, args.context_length, cap)
+    out = {"seed": seed, "rows": [], "failures": [], "timing": {}}
+    t0 = time.perf_counter()
+    tree = build_tree(args, args.model, kinds, corpus, folder / "runs", seed)
+    text_id = hashlib.sha256(corpus.read_bytes()).hexdigest()[:10]  # the fit documents decide the stream
+    cache = capture_once(tree, root / f"cache-{text_id}-seed{seed}-L{args.layer}-ctx{args.context_length}-"
+                                      f"{args.train_tokens}")
+    tree["data"]["activation_cache"] = str(cache)
+    capture_seconds = time.perf_counter() - t0
+    trained, untrained, train_seconds = train_kinds(tree, kinds, folder / "runs")
+    out["timing"]["capture and train"] = time.perf_counter() - t0 if train_seconds is not None else None
+    out["timing"]["capture"] = capture_seconds
+    out["failures"] += [f"seed {seed}, {kind}: {message}" for kind, message in untrained.items()]
+    special = [i for i in tokenizer.all_special_ids if i is not None]
+    settings = SpecializationSettings(seed=seed, probe_top=args.probe_top, steer_scale=args.steer_scale,
+                                      batch_size=args.batch_size, bootstrap=args.bootstrap)
+    spec_seconds = 0.0
+    for kind in kinds:
+        if kind not in trained:
+            continue
+        t0 = time.perf_counter()
+        try:
+            model = load_expertize_model(folder / "runs" / kind).to(args.device).eval()
+            report = specialize(model, fit, held, special, settings, layer=args.layer, held_documents=documents)
+        except Exception as error:  # report it (e.g. every unit dead at a tiny budget), go on with the others
+            out["failures"].append(f"seed {seed}, {kind}: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+            print(f"  {out['failures'][-1]}", flush=True)
+            continue
+        spec_seconds += time.perf_counter() - t0
+        metrics = trained[kind]
+        summary = report.summary()
+        row = {"kind": kind, "delta_ce": metrics["ce"]["delta"], "fvu": metrics["layers"][str(args.layer)]["fvu"],
+               "dead_pct": 100 * summary["dead_fraction"], **summary}
+        out["rows"].append(row)
+        (folder / f"{kind}_specialization.json").write_text(json.dumps(report.to_json(), indent=1))
+        print(f"  seed {seed}, {kind} [{time.perf_counter() - t0:.0f}s]\n" + report.format(), flush=True)
+        if "speedup" not in out:
+            out["speedup"] = speedup(model, args.layer, held, documents, args.batch_size)
+            print("  " + out["speedup"], flush=True)
+        del model
+    out["timing"]["specialization"] = spec_seconds
+    # The dense baseline of the probes: the base MLP's hidden neurons at the same layer, the same test weights.
+    (xf, yf), (xh, yh) = _labelled(fit), _labelled(held)
+    test_weights = domain_weights([documents[n] for n in names], args.bootstrap, seed)[1]
+    mlp = decoder_blocks(base)[args.layer].mlp
+    dense = probe_domains(pooled_dense(base, mlp, xf, content_mask(xf, special)), yf,
+                          pooled_dense(base, mlp, xh, content_mask(xh, special)), yh, names,
+                          ks=settings.probe_ks, top=settings.probe_top, seed=seed, test_weights=test_weights)
+    out["dense"] = {"probe_best_1d": _interval(dense.mean_best_1d), "probe_f1_k1": _interval(dense.mean_k(1)),
+                    "probe_f1_k8": _interval(dense.mean_k(8))}
+    return out
+
+
+def _interval(estimate) -> dict:
+    return {"value": estimate.value, "ci": [estimate.low, estimate.high]}
+
+
+def _f(value, fmt) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return "inf" if value == math.inf else format(value, fmt)
+
+
+def seed_table(result: dict) -> list[str]:
+    """One seed's rows: every figure with its interval; n.s. where it holds the random control's value."""
+    cols = [title for _, _, title, _ in HEADLINE]
+    lines = [f"seed {result['seed']}:", "", "| kind | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    for r in result["rows"]:
+        cells = []
+        for key, control, _, fmt in HEADLINE:
+            ci = r.get(f"{key}_ci")
+            cell = _f(r[key], fmt) + (f" [{_f(ci[0], fmt)}, {_f(ci[1], fmt)}]" if ci else "")
+            if control is not None:
+                cell += ("" if r.get(f"{key}_significant") else " n.s.") + f" ({_f(r[control], fmt)})"
+            cells.append(cell)
+        lines.append(f"| {r['kind']} | " + " | ".join(cells) + " |")
+    d = result["dense"]
+    dense = {k: f"{_f(v['value'], '.3f')} [{_f(v['ci'][0], '.3f')}, {_f(v['ci'][1], '.3f')}]" for k, v in d.items()}
+    lines.append("| dense MLP neurons | 0 | 0 | – | – | – | – | " + " | ".join(dense.values()) + " | – |")
+    return lines
+
+
+def summary_table(results: list[dict], kinds: list[str]) -> tuple[list[str], list[dict]]:
+    """Mean ± standard deviation over the seeds of each headline figure, with the seeds where it was significant."""
+    n = len(results)
+    cols = [title for _, _, title, _ in HEADLINE]
+    lines = [f"| kind (seeds) | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    means = []
+    for kind in kinds:
+        rows = [r for res in results for r in res["rows"] if r["kind"] == kind]
+        if not rows:
+            continue
+        cells, mean_row = [], {"kind": kind}
+        for key, control, _, fmt in HEADLINE:
+            cell, mean_row[key], mean_row[f"{key}_sd"] = _spread([r[key] for r in rows], fmt)
+            if control is not None:
+                hits = sum(bool(r.get(f"{key}_significant")) for r in rows)
+                cell += f" ({_spread([r[control] for r in rows], fmt)[0]}; sig. {hits}/{len(rows)})"
+                mean_row[control] = _spread([r[control] for r in rows], fmt)[1]
+            cells.append(cell)
+        lines.append(f"| {kind} ({len(rows)}/{n}) | " + " | ".join(cells) + " |")
+        means.append(mean_row)
+    dense = [res["dense"] for res in results]
+    cells = [_spread([d[k]["value"] for d in dense], ".3f")[0] for k in ("probe_best_1d", "probe_f1_k1",
+                                                                         "probe_f1_k8")]
+    lines.append(f"| dense MLP neurons ({n}/{n}) | 0 | 0 | – | – | – | – | " + " | ".join(cells) + " | – |")
+    return lines, means
+
+
+def _spread(values: list[float], fmt: str) -> tuple[str, float, float]:
+    """"mean ± sd" over the finite values (n/a when none; an infinite value makes the mean inf)."""
+    finite = [v for v in values if v is not None and not math.isnan(v)]
+    if not finite:
+        return "n/a", math.nan, math.nan
+    if any(math.isinf(v) for v in finite):
+        return "inf (" + ", ".join(_f(v, fmt) for v in finite) + ")", math.inf, math.nan
+    mean = statistics.fmean(finite)
+    sd = statistics.stdev(finite) if len(finite) > 1 else math.nan
+    return f"{_f(mean, fmt)} ± {_f(sd, fmt.lstrip('+'))}", mean, sd
 
 
 def main() -> int:
     args = parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from expertize.conversion.specialization import (
-        SpecializationSettings, pack_documents, read_documents, specialize, split_documents,
-    )
-    from expertize.conversion.surgery.splice import load_base_model, load_expertize_model
+    from expertize.conversion.surgery.splice import load_base_model
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -176,110 +363,67 @@ def main() -> int:
     kinds = [k for k in args.kinds.split(",") if k]
     bad = [k for k in kinds if k not in KIND_SETTINGS]
     missing = [n for n in names if not (Path(args.domains) / f"{n}.jsonl").is_file()]
-    if bad or len(names) < 2 or missing:
+    if bad or len(names) < 2 or missing or not args.seeds:
         print(f"error: --domains {args.domains} must hold >= 2 NAME.jsonl corpora (missing: {missing or 'none'}; "
-              f"found {len(names) - len(missing)}) and --kinds must come from {list(KIND_SETTINGS)} (unknown: "
-              f"{bad or 'none'}); write the corpora with shared/tools/domain_corpora.py DIR", file=sys.stderr)
+              f"found {len(names) - len(missing)}), --kinds must come from {list(KIND_SETTINGS)} (unknown: "
+              f"{bad or 'none'}) and --seeds must name at least one seed; write the corpora with "
+              "shared/tools/domain_corpora.py DIR", file=sys.stderr)
         return 2
     root = Path(args.runs_dir) if args.runs_dir else Path(tempfile.mkdtemp(prefix="expertize-specialize-"))
     root.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    base = load_base_model(args.model, dtype=torch.float32).to(args.device).eval()
+    if args.layer is None:
+        args.layer = base.config.num_hidden_layers // 2
+    header = (f"{Path(args.model).name}, layer {args.layer}, {args.match_transcoder:g}x transcoder budget, "
+              f"{args.train_tokens:,} training tokens per kind (context {args.context_length}, {args.tokens_per_step} "
+              f"tokens per step, lr {args.lr:g}, NMSE, trained from one activation cache per seed), domains "
+              f"{', '.join(names)}: {args.fit_tokens:,} fit / {args.eval_tokens:,} eval tokens per domain from "
+              f"disjoint documents (seeded hash, {args.eval_fraction:g} held out; at most {args.document_tokens} "
+              f"tokens per document), seeds {', '.join(map(str, args.seeds))}, 95% intervals from {args.bootstrap} "
+              f"bootstrap replicates over eval documents, device {args.device}")
+    print(header, flush=True)
+    results = []
     try:
-        base_dir = args.model
-        tokenizer = AutoTokenizer.from_pretrained(base_dir)
-        base = load_base_model(base_dir, dtype=torch.float32).to(args.device).eval()
-        if args.layer is None:
-            args.layer = base.config.num_hidden_layers // 2
-        fit_docs, eval_docs = {}, {}
-        for n in names:
-            fit_docs[n], eval_docs[n] = split_documents(read_documents(n, str(Path(args.domains) / f"{n}.jsonl")),
-                                                        args.seed, args.eval_fraction)
-        corpus = root / "fit_documents.jsonl"
-        corpus.write_text("".join(json.dumps(r) + "\n" for r in interleave(fit_docs)), encoding="utf-8")
-        fit = {n: pack_documents(n, d, tokenizer, args.fit_tokens, args.context_length) for n, d in fit_docs.items()}
-        held = {n: pack_documents(n, d, tokenizer, args.eval_tokens, args.context_length)
-                for n, d in eval_docs.items()}
-        special = [i for i in tokenizer.all_special_ids if i is not None]
-        settings = SpecializationSettings(seed=args.seed, probe_top=args.probe_top, steer_scale=args.steer_scale)
-        header = (f"{Path(args.model).name}, layer "
-                  f"{args.layer}, {args.match_transcoder:g}x transcoder budget, {args.train_tokens:,} training tokens "
-                  f"per kind (context {args.context_length}, {args.tokens_per_step} tokens per step, lr {args.lr:g}, NMSE), domains {', '.join(names)}: "
-                  f"{args.fit_tokens:,} fit / {args.eval_tokens:,} eval tokens per domain from disjoint documents "
-                  f"(seeded hash, {args.eval_fraction:g} held out), seed {args.seed}, device {args.device}")
-        print(header, flush=True)
-        rows, failures, spec_seconds = [], [], 0.0
-        t0 = time.perf_counter()
-        trained, untrained, train_seconds = train_kinds(args, base_dir, kinds, corpus, root / "runs")
-        train_seconds = time.perf_counter() - t0 if train_seconds is not None else None
-        failures += [f"{kind}: {message}" for kind, message in untrained.items()]
-        print(f"trained {len(trained)} of {len(kinds)} kinds on one activation capture"
-              + (f" [{train_seconds:.0f}s]" if train_seconds is not None else " (reused)"), flush=True)
-        for kind in kinds:
-            if kind not in trained:
-                continue
-            t0 = time.perf_counter()
-            try:
-                model = load_expertize_model(root / "runs" / kind).to(args.device).eval()
-                report = specialize(model, fit, held, special, settings, layer=args.layer, base_model=None)
-            except Exception as error:  # report it (e.g. every unit dead at a tiny budget), go on with the others
-                failures.append(f"{kind}: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
-                print(f"  {kind}: FAILED: {failures[-1]}", flush=True)
-                continue
-            metrics = trained[kind]
-            m = metrics["layers"][str(args.layer)]
-            row = {"kind": kind, "delta_ce": metrics["ce"]["delta"], "fvu": m["fvu"], **report.summary()}
-            rows.append(row)
-            (root / f"{kind}_specialization.json").write_text(json.dumps(report.to_json(), indent=1))
-            print(f"  {kind} [{time.perf_counter() - t0:.0f}s]\n" + report.format(), flush=True)
-            spec_seconds += time.perf_counter() - t0
-            del model
-        # The dense baseline of the probes: the base MLP's hidden neurons at the same layer (same contexts).
-        from expertize.conversion.specialization import content_mask, pooled_dense, probe_domains
-        from expertize.conversion.specialization.report import _labelled
-        from expertize.conversion.surgery.families import decoder_blocks
-
-        (xf, yf), (xh, yh) = _labelled(fit), _labelled(held)
-        mlp = decoder_blocks(base)[args.layer].mlp
-        dense = probe_domains(pooled_dense(base, mlp, xf, content_mask(xf, special)), yf,
-                              pooled_dense(base, mlp, xh, content_mask(xh, special)), yh, names,
-                              ks=settings.probe_ks, top=settings.probe_top, seed=args.seed)
+        for seed in args.seeds:
+            results.append(run_seed(args, seed, names, kinds, root, tokenizer, base))
     finally:
         if not args.runs_dir:
             shutil.rmtree(root, ignore_errors=True)
-    cols = ["kind", "ΔCE", "FVU", "dead %", "masking specificity (random)",
-            "masking ΔCE target / others", "units masked", "best 1-D F1",
-            "F1 k=1", "F1 k=8", "steering effect (random), nats"]
-    lines = ["| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
-    for r in rows:
-        lines.append(f"| {r['kind']} | {r['delta_ce']:+.4f} | {r['fvu']:.4f} | {100 * r['dead_fraction']:.1f} | "
-                     f"{_f(r['specificity'], '.2f')} ({_f(r['random_specificity'], '.2f')}) | "
-                     f"{_f(r['mask_delta_target'], '+.4f')} / {_f(r['mask_delta_others'], '+.4f')} | "
-                     f"{r['masked_units']} | "
-                     f"{r['probe_best_1d']:.3f} | {r['probe_f1_k1']:.3f} | {r['probe_f1_k8']:.3f} | "
-                     f"{r['steering_effect']:+.4f} ({r['random_steering_effect']:+.4f}) |")
-    lines.append(f"| dense MLP neurons | 0 | 0 | – | – | – | – | {dense.mean_best_1d:.3f} | {dense.mean_k(1):.3f} | "
-                 f"{dense.mean_k(8):.3f} | – |")
-    lines += [f"| {f} | failed |" for f in failures]
-    timing = (f"wall time {time.perf_counter() - start:.0f}s: training "
-              + (f"{train_seconds:.0f}s" if train_seconds is not None else "reused")
-              + f" ({len(kinds)} kinds as variants of one recipe, one activation capture), specialization "
-              f"{spec_seconds:.0f}s")
-    table = "\n".join([header, "", *lines, "", timing])
+    summary, means = summary_table(results, kinds)
+    tables = [header, "", f"Mean ± standard deviation over {len(results)} seeds; in parentheses the random "
+              "control's mean and in how many seeds the figure's interval excluded the control's value:", "",
+              *summary, ""]
+    for res in results:
+        tables += [*seed_table(res), ""]
+    speed = next((res["speedup"] for res in results if "speedup" in res), None)
+    if speed:
+        tables.append(f"Cheap interventions: {speed}.")
+    failures = [f for res in results for f in res["failures"]]
+    tables += [f"failed: {f}" for f in failures]
+    timing = {k: sum(res["timing"][k] or 0 for res in results) for k in ("capture", "capture and train",
+                                                                         "specialization")}
+    tables.append(f"wall time {time.perf_counter() - start:.0f}s: capture {timing['capture']:.0f}s, capture and "
+                  f"training {timing['capture and train']:.0f}s, specialization {timing['specialization']:.0f}s "
+                  f"({len(kinds)} kinds x {len(results)} seeds)")
+    table = "\n".join(tables)
     print("\n" + table)
     if args.out:
         Path(args.out).write_text(table + "\n", encoding="utf-8")
     if args.runs_dir:  # the rows, to re-plot or re-tabulate without rerunning
-        (root / "rows.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1), encoding="utf-8")
-    plot(rows, args.png, f"{Path(args.model).name} layer {args.layer}, {args.train_tokens:,} training tokens")
+        (root / "rows.json").write_text(json.dumps({"header": header, "seeds": results}, indent=1), encoding="utf-8")
+    plot(means, args.png, f"{Path(args.model).name} layer {args.layer}, {args.train_tokens:,} training tokens, "
+                          f"{len(results)} seeds")
     print(f"wrote {args.png}")
     return 0
 
 
 def plot(rows: list[dict], path: str, title: str = "") -> None:
-    """Masking specificity (filled marker) and its random-live-units control (x, same colour) against ΔCE, one colour
-    per kind. The y axis is symmetric-log: at small budgets a ratio of two near-zero ΔCEs can be in the hundreds, of
-    either sign. An infinite specificity (the other domains did not get worse) is drawn at the top edge as a
-    triangle; a kind with no assigned unit (undefined specificity) is named in the legend."""
+    """Masking specificity (filled marker, mean over seeds with its standard deviation as an error bar) and its
+    random-live-units control (x, same colour) against ΔCE, one colour per kind. The y axis is symmetric-log: at small
+    budgets a ratio of two near-zero ΔCEs can be in the hundreds, of either sign. An infinite specificity is drawn at
+    the top edge as a triangle; a kind with no assigned unit (undefined specificity) is named in the legend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -298,12 +442,14 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
             shown.append(value)
             label = None if key != "specificity" else (r["kind"] if math.isfinite(value) else
                                                        f"{r['kind']} (no assigned units)")
-            ax.scatter(r["delta_ce"], value, marker=marker, color=color, label=label, s=40)
+            sd = r.get(f"{key}_sd", math.nan)
+            ax.errorbar(r["delta_ce"], value, yerr=None if not math.isfinite(sd) else sd, fmt=marker, color=color,
+                        label=label, ms=6, capsize=2)
         ax.plot([r["delta_ce"]] * 2, shown, color=color, lw=0.6, alpha=0.5)
     ax.scatter([], [], marker="x", color="grey", label="random live units (control)")
     ax.axhline(1.0, color="grey", lw=0.5, ls="--")
     ax.set_yscale("symlog", linthresh=1.0)
-    ax.set_xlabel("ΔCE of the spliced model (nats, lower = more faithful)")
+    ax.set_xlabel("ΔCE of the spliced model (nats, lower = more faithful; mean over seeds)")
     ax.set_ylabel("masking specificity ΔCE(domain) / ΔCE(others), symlog")
     if title:
         ax.set_title(title, fontsize=8)

@@ -3,6 +3,7 @@ domains are known by construction; probe selection and F1 against brute force; d
 CLI errors."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -216,7 +217,17 @@ def test_cli_runs_end_to_end_and_writes_strict_json(tmp_path, capsys):
     assert [r["units"] for r in report["masking"]] == [1, 1]
     assert report["summary"]["specificity"] is None  # +inf: the other domain's CE does not move at all
     assert {d: v["value"] for d, v in report["probing"]["f1"]["best_1d"].items()} == {"low": 1.0, "high": 1.0}
-    assert report["masking"][0]["delta_target"]["ci"][0] > 0 and report["documents"]["low"] > 1
+    assert report["masking"][0]["delta_target"]["ci"][0] > 0 and report["documents"]["low"] == 5  # 13-token documents
+    # At most 6 words (+ EOS) per document: 60 eval tokens span 9 documents; 50 replicates; and full forwards give
+    # exactly the suffix's numbers.
+    for extra in ([], ["--full-forward"]):
+        assert main(argv + ["--document-tokens", "6", "--bootstrap", "50", *extra]) == 0
+        again = json.loads(out.read_text())
+        assert again["documents"] == {"low": 9, "high": 9}
+        assert again["masking"][0]["delta_target"]["replicates"] == 50
+        if extra:
+            assert again["masking"] == first["masking"] and again["steering"] == first["steering"]
+        first = again
 
 
 def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
@@ -296,6 +307,10 @@ def test_report_prints_intervals_and_not_significant():
     row = report.summary()
     assert row["mask_delta_target_ci"][0] <= row["mask_delta_target"] <= row["mask_delta_target_ci"][1]
     assert row["specificity_significant"] is False and row["steering_effect_significant"] in (True, False)
+    same = domain_text(2)["low"]  # two "domains" of the same text: no unit is assigned, masking is undefined
+    report = specialize(model, {"a": same, "b": same}, {"a": same, "b": same}, [1, 2], settings=settings)
+    assert report.masking == [] and math.isnan(report.summary()["specificity"])
+    assert "masking (Monet's rule)" in report.format() and report.to_json()["summary"]["specificity"] is None
 
 
 def test_explicit_held_out_files(tmp_path, capsys):

@@ -91,11 +91,9 @@ class SpecializationReport:
         if self.dense_probing is not None:
             probes["dense_probe_best_1d"] = self.dense_probing.mean_best_1d
             probes.update({f"dense_probe_f1_k{k}": self.dense_probing.mean_k(k) for k in self.dense_probing.ks})
-        nan = Estimate(math.nan, math.nan, math.nan, 0)
-        figures = {key: self.figures.get(key, nan) for key in (
-            "mask_delta_target", "mask_delta_others", "specificity", "random_mask_delta_target",
-            "random_mask_delta_others", "random_specificity")}
-        figures.update({k: v for k, v in self.figures.items() if k not in figures}, **probes)
+        masking = ("mask_delta_target", "mask_delta_others", "specificity", "random_mask_delta_target",
+                   "random_mask_delta_others", "random_specificity")  # undefined when no domain has units
+        figures = {**dict.fromkeys(masking, Estimate(math.nan, math.nan, math.nan, 0)), **self.figures, **probes}
         row = {"kind": self.kind, "layer": self.layer, "dead_fraction": 1 - self.live_units / self.num_units,
                "masked_domains": len(self.masking), "masked_units": sum(r.units for r in self.masking),
                "eval_documents": sum(self.documents.values())}

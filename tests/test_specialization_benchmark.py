@@ -1,0 +1,54 @@
+"""benchmarks/specialization.py end to end on a tiny Llama: per seed one activation cache (reused by a rerun), every
+kind trained from it, every figure with its interval, the seeds' summary with mean ± sd and the significance counts,
+and the measured speed-up line."""
+
+import json
+import sys
+from pathlib import Path
+
+from tests.conftest import tiny_base_model, tiny_tokenizer
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def test_benchmark_trains_from_one_cache_per_seed_and_prints_intervals(tmp_path, monkeypatch):
+    base = tmp_path / "base"
+    tiny_base_model("llama").save_pretrained(base)
+    tiny_tokenizer().save_pretrained(base)
+    domains = tmp_path / "domains"
+    domains.mkdir()
+    for name, lo in (("low", 0), ("high", 45)):
+        docs = [" ".join(f"w{lo + (7 * i + 3 * j) % 45}" for j in range(12)) for i in range(120)]
+        (domains / f"{name}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    runs = tmp_path / "runs"
+    argv = ["specialization.py", "--domains", str(domains), "--model", str(base), "--kinds", "mxd,transcoder",
+            "--layer", "1", "--seeds", "0,1", "--context-length", "16", "--train-tokens", "512",
+            "--tokens-per-step", "64", "--upcycle-eval-tokens", "64", "--fit-tokens", "96", "--eval-tokens", "64",
+            "--document-tokens", "6", "--probe-top", "3", "--bootstrap", "20", "--runs-dir", str(runs),
+            "--png", str(tmp_path / "plot.png"), "--out", str(tmp_path / "table.md")]
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setattr(sys, "argv", argv)
+    import specialization
+
+    assert specialization.main() == 0
+    table = (tmp_path / "table.md").read_text()
+    assert "Mean ± standard deviation over 2 seeds" in table and "| mxd (2/2) |" in table
+    assert "| transcoder (2/2) |" in table and "| dense MLP neurons (2/2) |" in table
+    assert table.count("seed 0:") == 1 and table.count("seed 1:") == 1
+    assert "Cheap interventions: one masking condition" in table and "identical CE: True" in table
+    assert " [" in table and "sig. " in table  # intervals and significance counts
+    caches = sorted(p.name for p in runs.glob("cache-*"))
+    assert len(caches) == 2 and all((runs / c / "cache.json").is_file() for c in caches)  # one per seed
+    for seed in (0, 1):
+        resolved = (runs / f"seed{seed}" / "runs" / "mxd" / "recipe.resolved.yaml").read_text()
+        assert "activation_cache" in resolved and "cache-" in resolved
+    rows = json.loads((runs / "rows.json").read_text())
+    assert [s["seed"] for s in rows["seeds"]] == [0, 1] and len(rows["seeds"][0]["rows"]) == 2
+    row = rows["seeds"][0]["rows"][0]
+    assert row["probe_best_1d_ci"][0] <= row["probe_best_1d"] <= row["probe_best_1d_ci"][1]
+    assert (tmp_path / "plot.png").stat().st_size > 0
+    assert specialization.main() == 0  # a rerun reuses the caches and the finished runs: the same figures
+    assert sorted(p.name for p in runs.glob("cache-*")) == caches
+    again = json.loads((runs / "rows.json").read_text())
+    assert [s["rows"] for s in again["seeds"]] == [s["rows"] for s in rows["seeds"]]
+    assert all(s["timing"]["capture and train"] is None for s in again["seeds"])  # nothing trained again
