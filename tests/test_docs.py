@@ -1,0 +1,128 @@
+"""The documentation as a reader meets it on GitHub: the front page stays a front page, every relative link (and its
+#anchor) lands, and the reference pages cover every layer kind and every recipe key."""
+
+import dataclasses
+import re
+import typing
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+README_MAX_LINES = 220
+PAGES = sorted([README, REPO / "CONTRIBUTING.md", *(REPO / "docs").rglob("*.md")])
+
+_FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
+_CODE_SPAN = re.compile(r"`[^`\n]*`")
+_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+
+
+def _prose(text: str) -> str:
+    """The text outside fenced blocks and inline code (where a `[x](y)` is not a link)."""
+    return _CODE_SPAN.sub("", _FENCE.sub("", text))
+
+
+def github_anchor(heading: str) -> str:
+    """The id GitHub gives a Markdown heading: lower case, punctuation dropped (letters, digits, '-', '_' and
+    spaces kept), spaces as '-'."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "")  # a link's text, no code marks
+    return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """Every heading id of `page`, with GitHub's -1, -2 ... suffixes for repeated headings."""
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in _HEADING.findall(_FENCE.sub("", page.read_text(encoding="utf-8"))):
+        slug = github_anchor(heading)
+        out.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return out
+
+
+def relative_links(page: Path) -> list[str]:
+    return [t for t in _LINK.findall(_prose(page.read_text(encoding="utf-8")))
+            if not re.match(r"[a-z][a-z0-9+.-]*:", t)]  # http:, https:, mailto: ... are not checked
+
+
+def test_anchor_rule_matches_github():
+    assert github_anchor("`expertize upcycle`: the main job") == "expertize-upcycle-the-main-job"
+    assert github_anchor("When lm-eval and ΔCE disagree") == "when-lm-eval-and-δce-disagree"
+    assert github_anchor("Variants: several layers on one activation stream") == (
+        "variants-several-layers-on-one-activation-stream")
+    assert github_anchor("End-to-end healing") == "end-to-end-healing"
+
+
+def test_link_finder_reads_links_and_images_but_not_code():
+    page = "[a](x.md) ![img](y.png) [b](https://e.org) `[c](z.md)`\n```\n[d](w.md)\n```\n[e](v.md#part)\n"
+    assert [t for t in _LINK.findall(_prose(page))] == ["x.md", "y.png", "https://e.org", "v.md#part"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_resolves(page):
+    broken = []
+    for target in relative_links(page):
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(f"{target} (no such file: {dest.relative_to(REPO) if dest.is_relative_to(REPO) else dest})")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{target} (no heading #{anchor} in {dest.relative_to(REPO)})")
+    assert not broken, f"{page.relative_to(REPO)}: broken links:\n  " + "\n  ".join(broken)
+
+
+def test_readme_is_a_front_page_with_install_quickstart_and_tests():
+    text = README.read_text(encoding="utf-8")
+    lines = text.count("\n")
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines (at most {README_MAX_LINES}): move reference text into a docs/ page and link it")
+    assert 'pip install -e ".[dev]"' in text
+    assert "expertize upcycle quickstart" in text
+    assert "python -m pytest -q" in text  # the command .ci/run runs and a newcomer copies
+    assert "trust_remote_code=True" in text
+
+
+def test_every_layer_kind_is_documented():
+    from expertize.modeling import LAYER_KINDS
+
+    for page in (README, REPO / "docs" / "kinds.md"):
+        text = page.read_text(encoding="utf-8")
+        missing = [kind for kind in LAYER_KINDS if f"`{kind}`" not in text]
+        assert not missing, f"{page.relative_to(REPO)} does not list the layer kinds {missing}"
+
+
+def _recipe_keys() -> list[str]:
+    """Every key a recipe can set, as the docs write it: `base_model`, `layer.kind`, ..., `variants[].name`."""
+    from expertize.conversion.recipe import Recipe
+
+    keys = []
+
+    def walk(cls, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            keys.append(prefix + field.name)
+            hint = hints[field.name]
+            is_list = typing.get_origin(hint) is list
+            for arg in (hint, *typing.get_args(hint)):
+                if dataclasses.is_dataclass(arg):
+                    walk(arg, f"{prefix}{field.name}{'[]' if is_list else ''}.")
+
+    walk(Recipe, "")
+    return keys
+
+
+def test_every_recipe_key_is_documented():
+    keys = _recipe_keys()
+    assert {"layer.kind", "data.paths", "train.lr", "heal.rest", "eval.lm_eval_tasks", "variants[].name"} <= set(keys)
+    text = (REPO / "docs" / "recipes.md").read_text(encoding="utf-8")
+    missing = [key for key in keys if f"`{key}`" not in text]
+    assert not missing, f"docs/recipes.md does not document the recipe keys {missing}"
+
+
+def test_one_spelling_of_distil():
+    """Prose says "distil" (the stage's name, `expertize upcycle`'s help); `train.distill` is a key, not prose."""
+    offenders = [f"{page.relative_to(REPO)}: {word!r}" for page in PAGES
+                 for word in re.findall(r"\bdistills?\b", _prose(page.read_text(encoding="utf-8")), re.I)]
+    assert not offenders, "write 'distil' / 'distils' in prose:\n  " + "\n  ".join(offenders)
