@@ -109,7 +109,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--document-tokens", type=int, default=None,
                    help="at most this many tokens per document on both sides (default: the context length)")
     p.add_argument("--context-length", type=int, default=128, help="tokens per sequence (default 128)")
-    p.add_argument("--lr", type=float, default=1e-2, help="AdamW lr shared by all kinds (default 1e-2)")
+    p.add_argument("--lr", type=parse_lrs, default=parse_lrs("1e-2"),
+                   help="AdamW lr: one for every kind (default 1e-2) or per kind, KIND=LR,... (each kind at its best "
+                        "lr from a sweep; a kind not named takes the bare value if one is given, else 1e-2)")
     p.add_argument("--tokens-per-step", type=int, default=1024, help="tokens per optimizer step (default 1024)")
     p.add_argument("--probe-top", type=int, default=100, help="units tried as 1-D probes (default 100)")
     p.add_argument("--steer-scale", type=float, default=4.0, help="λ / the unit's mean activation (default 4)")
@@ -129,6 +131,29 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def parse_lrs(text: str) -> dict[str, float]:
+    """'1e-2' -> {'*': 0.01}; 'mxd=1e-3,transcoder=3e-3' -> per kind ('*' is the fallback)."""
+    out = {"*": 1e-2}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        name, _, value = part.rpartition("=")
+        try:
+            out[name or "*"] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--lr: {part!r} is not LR or KIND=LR") from None
+    return out
+
+
+def lr_of(args, kind: str) -> float:
+    return args.lr.get(kind, args.lr["*"])
+
+
+def lr_text(args, kinds: list[str]) -> str:
+    lrs = {kind: lr_of(args, kind) for kind in kinds}
+    if len(set(lrs.values())) == 1:
+        return f"lr {next(iter(lrs.values())):g}"
+    return "lr " + ", ".join(f"{kind} {lr:g}" for kind, lr in lrs.items())
+
+
 def interleave(docs: dict[str, list[str]]) -> list[dict]:
     """Round-robin over the domains' documents: {"text", "domain"} records."""
     out = []
@@ -143,11 +168,11 @@ def build_tree(args, base: str, kinds: list[str], corpus: Path, out_dir: Path, s
     return {
         "base_model": base, "dtype": "float32", "layers": [args.layer],
         "layer": layer(kinds[0]),
-        "variants": [{"name": kind, "layer": layer(kind)} for kind in kinds],
+        "variants": [{"name": kind, "layer": layer(kind), "train": {"lr": lr_of(args, kind)}} for kind in kinds],
         "data": {"source": "jsonl", "paths": [str(corpus)], "context_length": args.context_length,
                  "train_tokens": args.train_tokens, "eval_tokens": args.upcycle_eval_tokens, "eval_fraction": 0.1,
                  "shuffle_documents": True, "seed": seed},
-        "train": {"lr": args.lr, "warmup_steps": min(50, max(1, args.train_tokens // args.tokens_per_step // 10)),
+        "train": {"lr": lr_of(args, kinds[0]), "warmup_steps": min(50, max(1, args.train_tokens // args.tokens_per_step // 10)),
                   "schedule": "cosine", "min_lr_ratio": 0.1, "tokens_per_step": args.tokens_per_step,
                   "loss": "nmse", "precision": "fp32", "grad_clip": 1.0, "checkpoint_every": 0, "log_every": 50,
                   "seed": seed, "device": args.device},
@@ -378,7 +403,7 @@ def main() -> int:
         args.layer = base.config.num_hidden_layers // 2
     header = (f"{Path(args.model).name}, layer {args.layer}, {args.match_transcoder:g}x transcoder budget, "
               f"{args.train_tokens:,} training tokens per kind (context {args.context_length}, {args.tokens_per_step} "
-              f"tokens per step, lr {args.lr:g}, NMSE, trained from one activation cache per seed), domains "
+              f"tokens per step, {lr_text(args, kinds)}, NMSE, trained from one activation cache per seed), domains "
               f"{', '.join(names)}: {args.fit_tokens:,} fit / {args.eval_tokens:,} eval tokens per domain from "
               f"disjoint documents (seeded hash, {args.eval_fraction:g} held out; at most {args.document_tokens} "
               f"tokens per document), seeds {', '.join(map(str, args.seeds))}, 95% intervals from {args.bootstrap} "

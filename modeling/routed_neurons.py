@@ -31,6 +31,7 @@ from torch.nn import functional as F
 
 from .sparse_base import (
     ACTIVATIONS,
+    CodeHook,
     GatheredDot,
     SparseCode,
     SparseLayer,
@@ -48,7 +49,10 @@ from .sparse_base import (
 @dataclasses.dataclass
 class RoutedNeuronsSpec(SparseSpec):
     kind = "routed_neurons"
-    activation_meaning: ClassVar[str] = "router gate g_n (softmax over the K selected neurons)"
+    activation_meaning: ClassVar[str] = (
+        "the neuron's contribution |g_n·h_n| (router gate x its activation; read at `contribution_hook`); fires "
+        "where selected"
+    )
     title: ClassVar[str] = "routed single-neuron experts (secret MoE)"
     citation: ClassVar[str] = arxiv_bibtex(
         "boixadsera2025secret",
@@ -147,7 +151,15 @@ class RoutedNeuronsLayer(SparseLayer):
         self.W_shared_dec = nn.Parameter(torch.empty(S, O)) if S else None
         self.b_dec = nn.Parameter(torch.empty(O))
         self._init_selection_bias(N)
+        self.contribution_hook = CodeHook()
+        """Read-only view of each selected neuron's contribution scale |g·h| at the code's shape (..., K): the
+        activation a reader needs (a gate alone says "selected", not how much the neuron adds). Editing its output
+        changes nothing; interventions edit `code_hook` (the gates)."""
         self.reset_parameters()
+
+    @property
+    def activation_hook(self) -> CodeHook:
+        return self.contribution_hook
 
     @property
     def num_units(self) -> int:
@@ -210,7 +222,9 @@ class RoutedNeuronsLayer(SparseLayer):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])  # (T, I)
         code = self.encode(hidden_states).flat()  # (T, K) (+ steered ids); the hook saw (..., K)
         h = self.neuron_activations(x, code.top_k_index)  # (T, K)
-        out = sparse_rows_sum(SparseCode(code.top_k_index, code.top_k_weights * h), self.W_dec)  # Σ_k g_k h_k u_k
+        gh = code.top_k_weights * h  # (T, K)
+        self.contribution_hook(SparseCode(code.top_k_index.view(*lead, -1), gh.detach().abs().view(*lead, -1)))
+        out = sparse_rows_sum(SparseCode(code.top_k_index, gh), self.W_dec)  # Σ_k g_k h_k u_k
         if self.W_shared_enc is not None:
             out = out + self.act(F.linear(x, self.W_shared_enc, self.b_shared_enc)) @ self.W_shared_dec  # (T, O)
         return (out + self.b_dec).view(*lead, -1)

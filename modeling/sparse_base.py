@@ -242,6 +242,14 @@ class SparseLayer(nn.Module):
         """Training forwards of layers with a selection bias: the mean |score| of the selected units (a scalar
         tensor), the scale in which the balancer moves `b_select`."""
 
+    @property
+    def activation_hook(self) -> CodeHook:
+        """The module whose output is each unit's activation as a reader sees it: what inspection's statistics and
+        top contexts and specialization's rates and probes read. `code_hook` for kinds whose code weight is the unit's
+        contribution scale; a kind whose code weight is something else (routed neurons: a router gate) adds its own,
+        read-only hook. Interventions always edit `code_hook`."""
+        return self.code_hook
+
     def _init_selection_bias(self, num_selectable: int) -> None:
         """`b_select` (num_selectable,), a persistent buffer, when the spec asks for a selection bias; else None."""
         if getattr(self.spec, "selection_bias", False):

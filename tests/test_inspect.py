@@ -57,13 +57,14 @@ def corpora(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def brute_force_codes(model, sequences: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Per layer the dense (all tokens, U) matrix of listed code weights, from one forward per sequence."""
+    """Per layer the dense (all tokens, U) matrix of listed activations (`activation_hook`: the code, or routed
+    neurons' |g·h|), from one forward per sequence."""
     layers = model.sparse_layers()
     dense = {i: [] for i in layers}
     for seqs in sequences.values():
         for seq in seqs:
             codes = {}
-            handles = [l.code_hook.register_forward_hook(lambda m, a, o, i=i: codes.__setitem__(i, o))
+            handles = [l.activation_hook.register_forward_hook(lambda m, a, o, i=i: codes.__setitem__(i, o))
                        for i, l in layers.items()]
             with torch.no_grad():
                 model(input_ids=seq[None])

@@ -52,3 +52,19 @@ def test_benchmark_trains_from_one_cache_per_seed_and_prints_intervals(tmp_path,
     again = json.loads((runs / "rows.json").read_text())
     assert [s["rows"] for s in again["seeds"]] == [s["rows"] for s in rows["seeds"]]
     assert all(s["timing"]["capture and train"] is None for s in again["seeds"])  # nothing trained again
+
+
+def test_lr_per_kind(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import argparse
+
+    import pytest
+    from specialization import lr_of, lr_text, parse_lrs
+
+    args = argparse.Namespace(lr=parse_lrs("mxd=1e-3,transcoder=3e-3"))
+    assert [lr_of(args, k) for k in ("mxd", "transcoder", "moe_x")] == [1e-3, 3e-3, 1e-2]  # unnamed: 1e-2
+    assert lr_text(args, ["mxd", "transcoder"]) == "lr mxd 0.001, transcoder 0.003"
+    args = argparse.Namespace(lr=parse_lrs("3e-3,mxd=1e-3"))
+    assert (lr_of(args, "moe_x"), lr_of(args, "mxd"), lr_text(args, ["moe_x"])) == (3e-3, 1e-3, "lr 0.003")
+    with pytest.raises(argparse.ArgumentTypeError, match="--lr: 'mxd=fast' is not LR or KIND=LR"):
+        parse_lrs("mxd=fast")

@@ -1,6 +1,7 @@
 """Per-prompt view: which units fire on each token of one prompt (the top few per sparse layer, with values).
 
-Reads each layer's sparse code at `mlp.code_hook` during one forward (what a model card's hook snippet does by hand).
+Reads each layer's unit activations at `mlp.activation_hook` (the code hook unless the kind declares another view)
+during one forward (what a model card's hook snippet does by hand).
 """
 
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ def prompt_view(model: nn.Module, input_ids: torch.Tensor, token_text, top: int 
     layers = sparse_layers_of(model)
     codes: dict[int, object] = {}
     handles = [
-        layer.code_hook.register_forward_hook(lambda m, a, out, i=i: codes.__setitem__(i, out))
+        layer.activation_hook.register_forward_hook(lambda m, a, out, i=i: codes.__setitem__(i, out))
         for i, layer in layers.items()
     ]
     try:

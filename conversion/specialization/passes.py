@@ -76,7 +76,7 @@ class CodePooler:
 
     @contextlib.contextmanager
     def recording(self) -> Iterator["CodePooler"]:
-        handle = self.layer.code_hook.register_forward_hook(self._on_code)
+        handle = self.layer.activation_hook.register_forward_hook(self._on_code)
         try:
             yield self
         finally:
@@ -87,7 +87,7 @@ class CodePooler:
 def pooled_codes(
     model: nn.Module, layer: nn.Module, sequences: torch.Tensor, mask: torch.Tensor, batch_size: int = 8
 ) -> torch.Tensor:
-    """(S, U) float32: each context's sparse code (the weights listed at `layer.code_hook`, 0 for unlisted units)
+    """(S, U) float32: each context's unit activations (listed at `layer.activation_hook`, 0 for unlisted units)
     mean-pooled over its content tokens (mask (S, T) True)."""
     device = next(model.parameters()).device
     pooler = CodePooler(layer, mask)
