@@ -1,20 +1,19 @@
 """Each unit's direct effect on the output vocabulary: its output direction through the final norm and unembedding.
 
-A unit's output direction d_n (O,) is what it adds to the residual stream per unit of activation:
+A unit's output direction d_n (O,) is what it adds to the residual stream per unit of activation. The layer says
+what it is (modeling/sparse_base.py's contract), never its kind:
 
-    transcoder, skip_transcoder, routed_neurons   row n of W_dec (the latent's / neuron's decoder row)
-    moe_x                                         column h of expert j's decoder (row j·D + h of `decoder_rows()`)
-    mxd                                           c_n ⊙ mean(Dᵀz) over the tokens where expert n fires: the expert's
-                                                  contribution c_n ∗ (Dᵀz) averaged over its firing tokens
-    mumoe_cp, mumoe_tr                            W_nᵀ mean(z) + β_n over the tokens where expert n fires (the
-                                                  expert's output map on its average hidden code)
-    monet_hd, monet_vd                            none: a product expert's output E_ij(x) is a non-linear function of
-                                                  x with no fixed direction (promoted / suppressed lists are empty)
+    layer.output_directions()      a fixed (U, O) direction per unit (a decoder row, e.g. a transcoder's W_dec[n])
+    layer.token_directions         the direction depends on the token through the layer's hidden code z
+                                   (`layer.hidden`): the mean of `direction_terms(z)` over the tokens where unit n
+                                   fires, mapped to (U, O) by `directions_from_means` (e.g. MxD's c_n ⊙ mean Dᵀz)
+    neither                        no direction (e.g. a product expert whose output is a non-linear function of x):
+                                   the promoted / suppressed lists are empty
 
 Its vocabulary effect is W_U · N(d_n) with N the final norm's linear part (LayerNorm: centre, then scale by γ;
 RMSNorm: scale by γ), i.e. direct logit attribution up to the norm's per-token 1/σ: the top entries are the tokens
-the unit promotes, the bottom ones those it suppresses. Kinds whose direction depends on the tokens (mxd, mumoe)
-read the layer's own hidden code z during the inspection pass (their `hidden` output), never recomputing it.
+the unit promotes, the bottom ones those it suppresses. Token-dependent directions read the layer's own hidden code
+z during the inspection pass (its `hidden` output), never recomputing it.
 """
 
 import torch
@@ -33,19 +32,14 @@ class EffectAccumulator:
 
     def __init__(self, layer: nn.Module) -> None:
         self.layer = layer
-        self.kind = layer.spec.kind
-        self.sums: torch.Tensor | None = None  # (U, O) Σ Dᵀz (mxd) or (U, H) Σ z (mumoe) over firing tokens
+        self.sums: torch.Tensor | None = None  # (U, F) Σ direction_terms(z) over each unit's firing tokens
         self.counts = torch.zeros(layer.num_units, dtype=torch.float64)
         self._z: torch.Tensor | None = None
         self._wrapped = False
 
     @property
     def needs_hidden(self) -> bool:
-        return self.kind == "mxd" or self.kind.startswith("mumoe")
-
-    @property
-    def supported(self) -> bool:
-        return not self.kind.startswith("monet")
+        return bool(self.layer.token_directions)
 
     # -- during the pass ------------------------------------------------------------------------------------------
 
@@ -76,7 +70,7 @@ class EffectAccumulator:
         if not self.needs_hidden:
             return
         z = self._z.reshape(-1, self._z.shape[-1]).float()  # (B·T, H)
-        rows = z @ self.layer.W_dec.float() if self.kind == "mxd" else z  # Dᵀz (B·T, O) or z (B·T, H)
+        rows = self.layer.direction_terms(z)  # (B·T, F)
         if self.sums is None:
             self.sums = torch.zeros(self.layer.num_units, rows.shape[-1], dtype=torch.float64, device=rows.device)
         # float32 within a batch, float64 across batches
@@ -88,23 +82,18 @@ class EffectAccumulator:
     @torch.no_grad()
     def directions(self) -> torch.Tensor | None:
         """(U, O) output direction per unit; NaN rows for units with no firing token where it depends on them;
-        None for kinds without one (monet)."""
-        layer, kind = self.layer, self.kind
-        if kind in ("transcoder", "skip_transcoder", "routed_neurons"):
-            return layer.W_dec.detach().float()
-        if kind == "moe_x":
-            return layer.decoder_rows().detach().float()
+        None for layers without one."""
+        layer = self.layer
+        fixed = layer.output_directions()
+        if fixed is not None:
+            return fixed.detach().float()
         if not self.needs_hidden:
             return None
         U = layer.num_units
         if self.sums is None:  # nothing fired at all
             return torch.full((U, layer.spec.d_out), float("nan"))
-        mean = (self.sums / self.counts.clamp_min(1)[:, None]).float()  # (U, O) or (U, H)
-        if kind == "mxd":
-            out = layer.W_experts.detach().float() * mean  # c_n ⊙ mean Dᵀz
-        else:
-            one_hot = torch.eye(U, device=mean.device, dtype=layer.b_dec.dtype)
-            out = layer.mumoe_out(one_hot, mean.to(layer.b_dec.dtype)).float()  # W_nᵀ mean z + β_n: (U, O)
+        mean = (self.sums / self.counts.clamp_min(1)[:, None]).float()  # (U, F)
+        out = layer.directions_from_means(mean).detach().float()  # (U, O)
         return out.masked_fill((self.counts == 0)[:, None].to(out.device), float("nan"))
 
 

@@ -13,21 +13,12 @@ from typing import Any
 
 from ..publishing.run_folder import write_text
 
-__all__ = ["ACTIVATION_MEANING", "LAYER_SCHEMA", "SchemaError", "layer_report", "validate", "write_reports"]
+__all__ = ["LAYER_SCHEMA", "SchemaError", "layer_report", "validate", "write_reports"]
 
 SCHEMA_VERSION = 1
 
-ACTIVATION_MEANING = {
-    "mxd": "expert coefficient a_n = TopK(ReLU(G x + b_G))",
-    "transcoder": "latent value TopK(ReLU(W_enc x + b_enc))",
-    "skip_transcoder": "latent value TopK(ReLU(W_enc x + b_enc))",
-    "moe_x": "scaled hidden unit ω_j z^j_h of a selected expert (unit j·D + h); fires where > 0",
-    "routed_neurons": "router gate g_n (softmax over the K selected neurons)",
-    "monet_hd": "head-summed product-expert gate G_ij (unit i·S + j)",
-    "monet_vd": "head-summed product-expert gate G_ij (unit i·S + j)",
-    "mumoe_cp": "soft gate coefficient a_n (entmax15: fires where a_n > 0)",
-    "mumoe_tr": "soft gate coefficient a_n (entmax15: fires where a_n > 0)",
-}
+GENERIC_ACTIVATION_MEANING = "the unit's weight in the sparse code"
+"""The report's `activation` when the statistics do not say what the kind's activation means."""
 
 _NUM = {"type": "number"}
 _TOKENS = {
@@ -220,7 +211,7 @@ def layer_report(stats, layer: int) -> dict:
         "layer": layer,
         "kind": ls.kind,
         "unit_name": ls.unit_name,
-        "activation": ACTIVATION_MEANING.get(ls.kind, "the unit's weight in the sparse code"),
+        "activation": ls.activation_meaning or GENERIC_ACTIVATION_MEANING,
         "num_units": ls.num_units,
         "tokens": stats.tokens,
         "domains": dict(zip(domains, stats.domain_tokens.tolist())),

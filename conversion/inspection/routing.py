@@ -1,13 +1,16 @@
-"""Routing statistics of router kinds: load per expert and router entropy, accumulated over the inspection pass.
+"""Routing statistics of layers with a router: load per expert and router entropy, accumulated over the inspection pass.
 
-    kind             experts E              load (fraction of routing mass, sums to 1)    entropy of
-    moe_x            the M routed experts   top-K assignments per expert                   softmax of router scores
-    routed_neurons   the N neurons          top-K assignments per neuron                   softmax of router scores
-    mumoe_cp / _tr   the N experts          Σ gate coefficient a_n (soft load)             the gate a itself (entmax)
-    monet_hd / _vd   the N product experts  Σ head-summed gate G_ij                        G / Σ G per token
+What a layer's routing is comes from the layer itself (`SparseLayer.router_distribution` and friends in
+modeling/sparse_base.py), never from its kind:
 
-`router_entropy` is the mean over tokens, in nats; `max_entropy` = log E (uniform routing). mxd and the transcoders
-have no router distribution (a TopK over ReLU scores): their load is the firing frequency already reported per unit.
+    router_distribution  experts E                load (fraction of routing mass, sums to 1)      entropy of
+    "scores"             `num_routed_experts`     top-K assignments per expert (code entries     softmax of the
+                                                  mapped by `routed_experts(index)`)             recorded router_logits
+    "gates"              the code's units (the    Σ code weight per unit (soft load)             the code's weights
+                         default of the above)                                                   per token, normalized
+    None                 no router: its load is the per-unit firing frequency, reported per unit already
+
+`router_entropy` is the mean over tokens, in nats; `max_entropy` = log E (uniform routing).
 """
 
 import math
@@ -15,17 +18,29 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["ROUTER_KINDS", "RoutingAccumulator"]
+__all__ = ["ROUTER_DISTRIBUTIONS", "RoutingAccumulator", "has_router"]
 
-ROUTER_KINDS = ("moe_x", "routed_neurons", "mumoe_cp", "mumoe_tr", "monet_hd", "monet_vd")
-"""Kinds with routing statistics; a new router kind adds its name here and its case in `RoutingAccumulator`."""
+ROUTER_DISTRIBUTIONS = ("scores", "gates")
+"""The values `SparseLayer.router_distribution` may take besides None (no router)."""
+
+
+def has_router(layer: nn.Module) -> bool:
+    """Whether `layer` declares a router, i.e. has routing statistics (an unknown declaration is an error)."""
+    distribution = getattr(layer, "router_distribution", None)
+    if distribution is not None and distribution not in ROUTER_DISTRIBUTIONS:
+        raise ValueError(
+            f"{type(layer).__name__}.router_distribution={distribution!r}: must be one of {list(ROUTER_DISTRIBUTIONS)} "
+            "or None (see SparseLayer.router_distribution in modeling/sparse_base.py)"
+        )
+    return distribution is not None
 
 
 class RoutingAccumulator:
     def __init__(self, layer: nn.Module) -> None:
+        if not has_router(layer):
+            raise ValueError(f"{type(layer).__name__} declares no router (router_distribution is None)")
         self.layer = layer
-        self.kind = layer.spec.kind
-        self.num_experts = layer.spec.num_experts
+        self.num_experts = int(layer.num_routed_experts)
         self.load = torch.zeros(self.num_experts, dtype=torch.float64)
         self.entropy_sum = 0.0
         self.tokens = 0
@@ -33,7 +48,7 @@ class RoutingAccumulator:
 
     @property
     def uses_router_logits(self) -> bool:
-        return self.kind in ("moe_x", "routed_neurons")
+        return self.layer.router_distribution == "scores"
 
     def attach(self) -> None:
         if self.uses_router_logits:
@@ -50,9 +65,7 @@ class RoutingAccumulator:
         self.load = self.load.to(index.device)
         E = self.num_experts
         if self.uses_router_logits:
-            assigned = index
-            if self.kind == "moe_x":  # units j·D + h -> the K selected experts j
-                assigned = index[:, :: self.layer.spec.d_expert] // self.layer.spec.d_expert
+            assigned = self.layer.routed_experts(index)  # (T, K'): code units -> the routed experts they belong to
             self.load += torch.bincount(assigned.reshape(-1), minlength=E)[:E].double()
             p = self.layer.router_logits.double().softmax(-1)  # (T, E)
         else:

@@ -1,13 +1,14 @@
 """The streaming statistics engine: one pass of an expertize model over named corpora, every sparse layer at once.
 
-What a unit and its activation are comes from the layer's sparse code (`SparseCode`, read at `mlp.code_hook`), so
-every kind is covered the same way: per token the code lists (unit id, weight) pairs, and a unit **fires** on a token
+What a unit and its activation are comes from the layer's sparse code (`SparseCode`, read at `mlp.activation_hook`:
+the code hook, or a kind's own view where its code weight is not the unit's contribution, e.g. routed neurons' |g·h|),
+so every kind is covered the same way: per token the code lists (unit id, weight) pairs, and a unit **fires** on a token
 when it is listed with a weight > 0; its **activation** there is that weight.
 
     mxd                          experts; a = TopK(ReLU(G x)) coefficient
     transcoder, skip_transcoder  latents; TopK(ReLU(W_enc x)) value
     moe_x                        hidden unit h of expert j (id j·D + h); the scaled code ω_j zʲ_h (fires where > 0)
-    routed_neurons               neurons; the router's softmax gate over the selected K
+    routed_neurons               neurons; the contribution |g·h| (router gate x the neuron's activation)
     monet_hd, monet_vd           product experts i·S + j; the head-summed gate G_ij
     mumoe_cp, mumoe_tr           experts; the soft gate coefficient a_n. With the default entmax15 gate a unit fires
                                  where a_n > 0 (entmax's exact zeros); with gate_activation=softmax every expert
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from .effects import EffectAccumulator, vocab_effects
-from .routing import ROUTER_KINDS, RoutingAccumulator
+from .routing import RoutingAccumulator, has_router
 from .topk import TopContexts
 
 __all__ = ["InspectionSettings", "InspectionStats", "LayerStats", "collect_stats", "sparse_layers_of"]
@@ -73,6 +74,8 @@ class LayerStats:
     """The sparse layer's module path in the model (e.g. "transformer.h.2.mlp"): the hookpoint tools name."""
     locations: tuple[torch.Tensor, torch.Tensor] | None = None
     """(locations (F, 3) int64 (sequence, position, unit), activations (F,) float32) when collected."""
+    activation_meaning: str | None = None
+    """What a unit's activation is, as the layer's spec declares it (`SparseSpec.activation_meaning`)."""
 
     @property
     def counts(self) -> torch.Tensor:
@@ -133,7 +136,7 @@ def sparse_layers_of(model: nn.Module) -> dict[int, nn.Module]:
 
 
 class _LayerRecorder:
-    """Hooks on one sparse layer: reads its code (code_hook output) and folds each forward into the statistics."""
+    """Hooks on one sparse layer: reads its activations (activation_hook output) and folds each forward into the statistics."""
 
     def __init__(self, index: int, layer: nn.Module, settings: InspectionSettings, num_domains: int) -> None:
         U = layer.num_units
@@ -144,7 +147,7 @@ class _LayerRecorder:
         self.contexts = TopContexts(U, settings.top_n, settings.left, settings.right, device=device)
         self.fire_counts, self.activation_sum = self.fire_counts.to(device), self.activation_sum.to(device)
         self.effects = EffectAccumulator(layer)
-        self.routing = RoutingAccumulator(layer) if layer.spec.kind in ROUTER_KINDS else None
+        self.routing = RoutingAccumulator(layer) if has_router(layer) else None
         self.locations: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if settings.collect_locations else None
         self.batch: tuple[torch.Tensor, int, int] | None = None  # (input_ids (B, T), domain, first sequence id)
         self._code = None
@@ -152,7 +155,7 @@ class _LayerRecorder:
 
     def attach(self) -> None:
         self._handles = [
-            self.layer.code_hook.register_forward_hook(self._on_code),
+            self.layer.activation_hook.register_forward_hook(self._on_code),
             self.layer.register_forward_hook(self._on_forward),
         ]
         self.effects.attach()
@@ -206,7 +209,7 @@ class _LayerRecorder:
             setattr(contexts, name, getattr(contexts, name).cpu())
         spec = self.layer.spec
         return LayerStats(
-            layer=self.index, kind=spec.kind, unit_name="hidden unit" if spec.kind == "moe_x" else spec.unit_name,
+            layer=self.index, kind=spec.kind, unit_name=spec.code_unit(), activation_meaning=spec.activation_meaning,
             num_units=self.layer.num_units, fire_counts=self.fire_counts.cpu(),
             activation_sum=self.activation_sum.cpu(), contexts=contexts, promoted=promoted,
             routing=None if self.routing is None else self.routing.summary(), module=module, locations=locations,
