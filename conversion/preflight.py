@@ -24,7 +24,7 @@ from expertize.modeling import MlpShape, SparseSpec
 from .checks import check_context_length, check_output_location
 from .errors import ExpertizeError
 from .harness.folder_eval import LmEvalPlan
-from .data.text import stream_sequences
+from .data.text import stream_train_tokens
 from .recipe import Recipe, resolve_layer_spec, resolve_layers
 from .surgery.families import EXPERTIZE_PREFIX, base_family, family_info, mlp_shape
 from .surgery.splice import local_model_type
@@ -223,7 +223,7 @@ def plan_run(recipe: Recipe, *, world_size: int = 1, check_layer_memory: bool = 
         check_memory(spec, len(layer_ids), device)
 
     train = recipe.train
-    distill_steps = recipe.data.train_tokens // train.tokens_per_step if train.distill else 0
+    distill_steps = recipe.distill_steps()
     if train.distill and distill_steps < 1:
         raise ExpertizeError(
             f"data.train_tokens={recipe.data.train_tokens} is less than one step of train.tokens_per_step="
@@ -236,12 +236,8 @@ def plan_run(recipe: Recipe, *, world_size: int = 1, check_layer_memory: bool = 
         )
     tokenizer = load_tokenizer(recipe.base_model, recipe.base_revision)
     # The train split must cover the larger of the two budgets that read it (distillation's and healing's).
-    # Distillation on several processes reads up to world_size - 1 sequences more (data.text.stream_sequences).
-    t = recipe.data.context_length
-    distill_tokens = recipe.data.train_tokens
-    if world_size > 1:
-        distill_tokens = stream_sequences(distill_tokens, t, world_size) * t
-    budgets = {"data.train_tokens": distill_tokens if train.distill else 0,
+    # Distillation on several processes reads a little more (data.text.stream_train_tokens).
+    budgets = {"data.train_tokens": stream_train_tokens(recipe.data, world_size) if train.distill else 0,
                "heal.tokens": recipe.heal.tokens if recipe.heal is not None else 0}
     key = max(budgets, key=budgets.get)
     check_data(recipe.data, tokenizer, train_tokens=budgets[key], train_key=key)

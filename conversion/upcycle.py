@@ -30,7 +30,7 @@ from expertize.modeling import SparseLayer, build_sparse_layer
 from .data.activations import ActivationBatches
 from .data.cache import cached_batches, open_matching_cache
 from .data.capture import MlpCapture, excluded_token_ids
-from .data.text import iter_sequences, load_eval_sequences, stream_sequences
+from .data.text import iter_sequences, load_eval_sequences, stream_train_tokens
 from .errors import RunFailed
 from .evaluation.evaluate import AblationMemo, evaluate_sparse_layers, spliced_ce
 from .preflight import RunPlan, plan_variants
@@ -332,10 +332,8 @@ def activation_batches(
 ) -> ActivationBatches:
     """The recipe's training stream: packed train split -> captured (x, y) at `layer_ids` -> shuffled step batches."""
     train, data = recipe.train, recipe.data
-    if world_size > 1:  # every rank needs as many sequences (text.stream_sequences)
-        data = dataclasses.replace(
-            data, train_tokens=stream_sequences(data.train_tokens, data.context_length, world_size) * data.context_length
-        )
+    # Several processes read a little more, so every rank fills the last step (text.stream_train_tokens).
+    data = dataclasses.replace(data, train_tokens=stream_train_tokens(data, world_size))
     return ActivationBatches(
         MlpCapture(base, layer_ids),
         lambda start: iter_sequences(data, tokenizer, split="train", start_sequence=start),

@@ -556,6 +556,17 @@ def test_run_steps_counts_each_stage():
     # Healing: ceil(4,096 tokens / 128 per sequence) = 32 sequences // 8 per step = 4 steps.
     recipe = recipe_from_dict(minimal(train={"distill": False}, heal={"tokens": 4096, "batch_sequences": 8}))
     assert recipe.run_steps() == {"heal": 4}
+    assert recipe.distill_steps() == 0  # the one rule preflight's RunPlan.distill_steps reads too
+
+
+def test_preflight_plans_the_recipes_distill_steps(tiny_run):
+    """`plan_run` takes its step count from `Recipe.distill_steps` (the rule is written once)."""
+    from expertize.conversion.preflight import plan_run
+    from expertize.conversion.recipe import recipe_from_dict
+
+    _, tree = tiny_run
+    recipe = recipe_from_dict(tree)
+    assert plan_run(recipe).distill_steps == recipe.distill_steps() == recipe.run_steps()["train"] > 0
 
 
 def test_kind_switch_from_the_command_line_resets_k_with_null():

@@ -42,6 +42,8 @@ __all__ = [
     "resolve_paths",
     "shuffle_buffered",
     "split_documents",
+    "stream_sequences",
+    "stream_train_tokens",
     "token_budget_to_sequences",
 ]
 
@@ -262,6 +264,15 @@ def stream_sequences(tokens: int, context_length: int, world_size: int = 1) -> i
     multiple of the process count. Each data-parallel rank takes every world_size-th sequence and a step takes as
     many rows from each rank, so an uneven last group would leave the ranks short of the final step."""
     return math.ceil(token_budget_to_sequences(tokens, context_length) / world_size) * world_size
+
+
+def stream_train_tokens(cfg: DataConfig, world_size: int = 1) -> int:
+    """The train tokens distillation reads on `world_size` processes: `cfg.train_tokens` on one; on several, the
+    whole sequences of `stream_sequences` (up to world_size - 1 sequences more, so every rank fills the last step).
+    Preflight checks the corpus against it and the live capture reads it."""
+    if world_size == 1:
+        return cfg.train_tokens
+    return stream_sequences(cfg.train_tokens, cfg.context_length, world_size) * cfg.context_length
 
 
 def resolve_add_bos(cfg: DataConfig, tokenizer) -> bool:

@@ -383,13 +383,18 @@ class Recipe:
                 "or set train.distill: true"
             )
 
+    def distill_steps(self) -> int:
+        """Optimizer steps of the layer-wise distillation: data.train_tokens // train.tokens_per_step (0 with
+        train.distill: false). Preflight refuses a distilling recipe whose budget is less than one step."""
+        return self.data.train_tokens // self.train.tokens_per_step if self.train.distill else 0
+
     def run_steps(self) -> dict[str, int]:
         """Optimizer steps of each training stage: {"train": ..., "heal": ...} (a stage that does not run is left
-        out). Distillation: data.train_tokens // train.tokens_per_step; healing: the heal.tokens budget in sequences
+        out). Distillation: `distill_steps`; healing: the heal.tokens budget in sequences
         of data.context_length, // heal.batch_sequences."""
         steps = {}
         if self.train.distill:
-            steps["train"] = self.data.train_tokens // self.train.tokens_per_step
+            steps["train"] = self.distill_steps()
         if self.heal is not None:
             sequences = token_budget_to_sequences(self.heal.tokens, self.data.context_length)
             steps["heal"] = sequences // self.heal.batch_sequences
