@@ -124,7 +124,7 @@ def inference_mode(model):
 
 
 def support_matrix(family, folder, model):
-    """The README's support matrix, cell by cell, on a folder loaded through remote code."""
+    """The support matrix of docs/native.md, cell by cell, on a folder loaded through remote code."""
     cells = {}
     ids = prompts(model.config.vocab_size)[3][None]
     reference = logits(model, ids)

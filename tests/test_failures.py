@@ -127,7 +127,7 @@ def test_provenance_records_the_device_used(tiny_run, capsys):
     assert provenance["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")
 
 
-# -- 4. the README's data-parallel launch --------------------------------------------------------------------------
+# -- 4. the data-parallel launch (docs/upcycle.md) --------------------------------------------------------------------
 
 
 def test_torchrun_with_the_default_device_exits_0_and_publishes_once(tiny_run):

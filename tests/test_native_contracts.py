@@ -1,7 +1,7 @@
 """Saved folders behave as native transformers models in a fresh process that loads them through remote code and
 cannot import expertize (tests/remote_contracts.py): the native forward signature, hidden states and attentions
 (equal to the native model's where the layers are the same), batched left-padded generation equal to one-by-one,
-`Trainer` with default arguments, every kind under `torch.inference_mode()`, and the README's support matrix; plus
+`Trainer` with default arguments, every kind under `torch.inference_mode()`, and the support matrix of docs/native.md; plus
 lm-eval's `generate_until` at batch sizes 1 and 8."""
 
 import json

@@ -1,6 +1,6 @@
 """A run can never be lost, mixed or misdiagnosed (issue 23): the run folder's identity does not depend on how
 output_dir is spelled, a second run on a folder in use is refused, a damaged activation cache is named, one corpus
-reader serves every command, and the README's own-text evaluation flow works on the quickstart model."""
+reader serves every command, and the own-text evaluation flow of docs/tasks.md works on the quickstart model."""
 
 import json
 import os
@@ -158,7 +158,7 @@ def test_every_command_reads_a_jsonl_corpus_as_json_lines(tmp_path):
             read()
 
 
-# -- 5. the README's own-text evaluation flow ---------------------------------------------------------------------
+# -- 5. the own-text evaluation flow (docs/tasks.md) ------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +227,7 @@ def test_tasks_is_linear_in_the_number_of_documents(capsys):
 
 
 def test_push_leaves_reports_out_and_names_a_packaged_base_portably(quickstart):
-    """An inspect/ report written into the model folder (the README's example) is not uploaded unless asked; the
+    """An inspect/ report written into the model folder (docs/inspect.md's example) is not uploaded unless asked; the
     card names the packaged base `${EXPERTIZE_ASSETS}/tiny-gpt2-shakespeare`. Before: inspect/ (11 MB) went up and
     the card named /abs/path/expertize/assets/tiny-gpt2-shakespeare."""
     from expertize.conversion.publishing.local_paths import public_tree

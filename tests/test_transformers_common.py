@@ -2,7 +2,7 @@
 tests/transformers_common/README.md) plus the generation contracts, run on every family x kind — and on the native
 classes as the control, so a failure that is the harness's own is told apart from an expertize defect.
 
-Tests that do not apply to a model are skipped in code, with the reason, in `NOT_APPLICABLE` (also in the README).
+Tests that do not apply to a model are skipped in code, with the reason, in `NOT_APPLICABLE` (also in docs/native.md).
 """
 
 import unittest

@@ -3,7 +3,7 @@
 The bare numbers ("greedy continuations identical to base: 0.00%", "dead 49%") tell a newcomer nothing about whether
 the run worked. Each line here says what the metric measures, which end is good, and where this run stands against
 rules of thumb: the MxD paper's ΔCE at a full budget (+0.003 nats, GPT-2, K=32) and the dead-unit targets the
-README's AuxK section measures against (≤ 5 % at K=32, ≤ 20 % at K=8).
+dead-unit work measures against (≤ 5 % at K=32, ≤ 20 % at K=8; docs/dead_units.md).
 """
 
 from ..publishing.metrics_schema import Metrics
@@ -52,7 +52,7 @@ def reading_lines(metrics: Metrics) -> list[str]:
             out.append(
                 f"layer {index}: {layer.dead_fraction:.0%} dead is {_grade('dead', layer.dead_fraction)}: units that "
                 f"never fired on the held-out text are parameters wasted (a few % is healthy, poor > "
-                f"{GRADES['dead'][1]:.0%}); more data.train_tokens revive them (README: Live experts: AuxK)"
+                f"{GRADES['dead'][1]:.0%}); more data.train_tokens revive them (docs/dead_units.md)"
             )
     generation = metrics.generation
     if generation is not None and generation.match_at_end is not None and generation.match_curve:
@@ -69,5 +69,5 @@ def reading_lines(metrics: Metrics) -> list[str]:
                    "(the quickstart's 200,000 are a one-minute demo)")
     if out and metrics.lm_eval is not None and metrics.lm_eval.tasks:
         out.append("lm-eval scores other text, each document from its start: there the model can even beat its base "
-                   "while ΔCE is positive (README: Benchmark against the base)")
+                   "while ΔCE is positive (docs/eval.md: when lm-eval and ΔCE disagree)")
     return out
