@@ -121,6 +121,27 @@ def test_every_recipe_key_is_documented():
     assert not missing, f"docs/recipes.md does not document the recipe keys {missing}"
 
 
+RESULT_PAGES = sorted(p for p in (REPO / "docs" / "results").glob("*.md") if p.name != "README.md")
+_TABLE_RULE = re.compile(r"^\|(?:\s*:?-+:?\s*\|)+\s*$", re.M)
+_MACHINE_LOAD = re.compile(r"other jobs|shared with|load average|load \d|quiet moment|busy cores", re.I)
+
+
+@pytest.mark.parametrize("page", RESULT_PAGES, ids=lambda p: p.name)
+def test_every_results_table_is_stamped(page):
+    """A results table says how to regenerate it, on what budget and at which commit; not how busy the machine was."""
+    text = page.read_text(encoding="utf-8")
+    for section in re.split(r"^## ", text, flags=re.M):
+        if not _TABLE_RULE.search(_FENCE.sub("", section)):
+            continue
+        title = section.splitlines()[0]
+        for stamp in ("**Command**", "**Budget**", "**Commit**"):
+            assert stamp in section, f"docs/results/{page.name}, section {title!r}: no {stamp} line above its table"
+        assert re.search(r"\*\*Commit\*\*[^\n]*`[0-9a-f]{7,40}`", section), (
+            f"docs/results/{page.name}, section {title!r}: the **Commit** line names no commit hash in backticks")
+    load = _MACHINE_LOAD.findall(text)
+    assert not load, f"docs/results/{page.name}: machine-load prose {load}; state the budget, not the machine's load"
+
+
 def test_one_spelling_of_distil():
     """Prose says "distil" (the stage's name, `expertize upcycle`'s help); `train.distill` is a key, not prose."""
     offenders = [f"{page.relative_to(REPO)}: {word!r}" for page in PAGES
