@@ -93,17 +93,35 @@ def test_every_layer_kind_is_documented():
         assert not missing, f"{page.relative_to(REPO)} does not list the layer kinds {missing}"
 
 
-def _recipe_keys() -> list[str]:
-    """Every key a recipe can set, as the docs write it: `base_model`, `layer.kind`, ..., `variants[].name`."""
+def _default(field: dataclasses.Field, hint) -> str:
+    """A field's default as docs/recipes.md writes it: YAML spelling, "required", or "section" for a nested one."""
+    if field.default is not dataclasses.MISSING:
+        value = field.default
+    elif field.default_factory is not dataclasses.MISSING:
+        if dataclasses.is_dataclass(hint):
+            return "section"  # a section's own keys are rows of their own
+        value = field.default_factory()
+    else:
+        return "required"
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return value if isinstance(value, str) else repr(value)
+
+
+def _recipe_keys() -> dict[str, str]:
+    """Every key a recipe can set, as the docs write it (`base_model`, `layer.kind`, ..., `variants[].name`), and its
+    default."""
     from expertize.conversion.recipe import Recipe
 
-    keys = []
+    keys = {}
 
     def walk(cls, prefix: str) -> None:
         hints = typing.get_type_hints(cls)
         for field in dataclasses.fields(cls):
-            keys.append(prefix + field.name)
             hint = hints[field.name]
+            keys[prefix + field.name] = _default(field, hint)
             is_list = typing.get_origin(hint) is list
             for arg in (hint, *typing.get_args(hint)):
                 if dataclasses.is_dataclass(arg):
@@ -113,12 +131,17 @@ def _recipe_keys() -> list[str]:
     return keys
 
 
-def test_every_recipe_key_is_documented():
+def test_every_recipe_key_is_documented_with_its_default():
     keys = _recipe_keys()
     assert {"layer.kind", "data.paths", "train.lr", "heal.rest", "eval.lm_eval_tasks", "variants[].name"} <= set(keys)
+    assert keys["train.lr"] == "0.0001" and keys["base_model"] == "required" and keys["heal"] == "null"
     text = (REPO / "docs" / "recipes.md").read_text(encoding="utf-8")
-    missing = [key for key in keys if f"`{key}`" not in text]
-    assert not missing, f"docs/recipes.md does not document the recipe keys {missing}"
+    rows = dict(re.findall(r"^\| `([^`]+)` \| `([^`]*)` \|", text, re.M))
+    missing = [key for key in keys if key not in rows]
+    assert not missing, f"docs/recipes.md has no row for the recipe keys {missing}"
+    stale = [f"{key}: documented {rows[key]!r}, the default is {default!r}" for key, default in keys.items()
+             if rows[key] not in (default, "section")]
+    assert not stale, "docs/recipes.md states stale defaults:\n  " + "\n  ".join(stale)
 
 
 RESULT_PAGES = sorted(p for p in (REPO / "docs" / "results").glob("*.md") if p.name != "README.md")
