@@ -144,6 +144,30 @@ def test_every_recipe_key_is_documented_with_its_default():
     assert not stale, "docs/recipes.md states stale defaults:\n  " + "\n  ".join(stale)
 
 
+def test_every_command_has_a_page_naming_each_of_its_flags():
+    """docs/<command>.md exists for every subcommand, names each of its flags, and the front page links it."""
+    import argparse
+
+    from expertize.conversion.cli import build_parser
+
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    readme = README.read_text(encoding="utf-8")
+    problems = []
+    for command, parser in sub.choices.items():
+        page = REPO / "docs" / f"{command}.md"
+        if not page.exists():
+            problems.append(f"expertize {command}: no docs/{command}.md")
+            continue
+        if f"docs/{command}.md" not in readme:
+            problems.append(f"expertize {command}: README.md does not link docs/{command}.md")
+        text = page.read_text(encoding="utf-8")
+        parser.format_help()  # a subcommand may add its flags on first use (conversion/cli_flags.py's `later`)
+        flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"]
+        problems += [f"docs/{command}.md does not name {flag}" for flag in flags if not re.search(
+            rf"{re.escape(flag)}(?![\w-])", text)]
+    assert not problems, "\n".join(problems)
+
+
 RESULT_PAGES = sorted(p for p in (REPO / "docs" / "results").glob("*.md") if p.name != "README.md")
 _TABLE_RULE = re.compile(r"^\|(?:\s*:?-+:?\s*\|)+\s*$", re.M)
 _MACHINE_LOAD = re.compile(r"other jobs|shared with|load average|load \d|quiet moment|busy cores", re.I)
