@@ -22,6 +22,9 @@ LAYER_KINDS: dict[str, tuple[type[SparseSpec], type[SparseLayer]]] = {
     "skip_transcoder": (SkipTranscoderSpec, TranscoderLayer),
 }
 
+DEFAULT_KIND = "mxd"
+"""The kind a recipe's `layer.kind` defaults to (the registry names kinds, so the default lives here too)."""
+
 
 def spec_from_dict(data: dict[str, Any] | SparseSpec) -> SparseSpec:
     """Build and validate a spec from its JSON dict (`{"kind": "mxd", ...}`); specs pass through unchanged."""

@@ -64,7 +64,12 @@ def _kind_info(kind: str) -> KindInfo:
     return KindInfo(kind, "unit", "num_units")
 
 
-# The kind facts live on the spec classes (expertize.modeling); these tables are views of them.
+def _citation(kind: str) -> str:
+    """BibTeX of the paper behind `kind`, read from its spec class now (a kind registered after import included)."""
+    return LAYER_KINDS[kind][0].citation if kind in LAYER_KINDS else ""
+
+
+# The kind facts live on the spec classes (expertize.modeling); these tables are views of them (as of import).
 LAYER_KIND_INFO: dict[str, KindInfo] = {kind: _kind_info(kind) for kind in LAYER_KINDS}
 
 # BibTeX of the paper behind each layer kind, cited by every card that uses the kind.
@@ -378,7 +383,7 @@ def render_model_card(
     for index, spec in layers.items():
         if not spec.get("kind"):
             raise ValueError(
-                f"layers[{index}] has no 'kind': every spec dict names its method, e.g. {{'kind': 'mxd', ...}}"
+                f"layers[{index}] has no 'kind': every spec dict names its method, one of {sorted(LAYER_KINDS)}"
             )
     kinds = list(dict.fromkeys(spec["kind"] for spec in layers.values()))
     model_name = model_name or (repo_id.split("/")[-1] if repo_id else _default_model_name(base_model, layers))
@@ -435,7 +440,7 @@ def render_model_card(
         lm_eval_rows=lm_eval_rows,
         lm_eval_notes=_lm_eval_notes(lm_eval_details or {}),
         # dict.fromkeys: kinds from one paper (mumoe_cp, mumoe_tr) cite it once
-        citations=list(dict.fromkeys(CITATIONS[kind] for kind in kinds if kind in CITATIONS)),
+        citations=list(dict.fromkeys(c for c in map(_citation, kinds) if c)),
         expertize_version=_expertize_version(),
     )
 

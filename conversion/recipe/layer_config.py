@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any, Literal
 
 from expertize.modeling.sparse_base import SparseSpec, canonical_activation
-from expertize.modeling.sparse_layers import LAYER_KINDS
+from expertize.modeling.sparse_layers import DEFAULT_KIND, LAYER_KINDS
 
 from .coerce import check_field_types, did_you_mean, field_default
 
@@ -34,8 +34,8 @@ def spec_field_names(kind: str) -> set[str]:
 class LayerConfig:
     """The sparse layer that replaces each target MLP (recipe section `layer:`)."""
 
-    kind: str = "mxd"
-    """Sparse layer kind: "mxd", "transcoder" or "skip_transcoder" (any key of expertize.modeling.LAYER_KINDS)."""
+    kind: str = DEFAULT_KIND
+    """Sparse layer kind: any key of expertize.modeling.LAYER_KINDS (default: the registry's DEFAULT_KIND, MxD)."""
 
     k: int = 32
     """K: active experts (mxd, routed kinds) or latents (transcoders) per token; for kinds with a top-k only (on a
@@ -69,9 +69,9 @@ class LayerConfig:
     for Llama; MoE-X keeps its ReLU), or gelu, gelu_new, silu, relu, relu2."""
 
     init: Literal["default", "split", "copy"] = "default"
-    """Where the layer's weights start (moe_x only for split / copy): "default" (the layer's own init), "split"
-    (the dense MLP's hidden neurons partitioned over the experts; with all experts on it equals the MLP) or "copy"
-    (every expert a noisy copy of the MLP). See expertize.conversion.surgery.dense_init."""
+    """Where the layer's weights start: "default" (the layer's own init), or, for kinds whose spec lists them in
+    `init_modes` (MoE-X), "split" (the dense MLP's hidden neurons partitioned over the experts; with all experts on
+    it equals the MLP) or "copy" (every expert a noisy copy of the MLP). See expertize.conversion.surgery.dense_init."""
 
     init_clustering: Literal["random", "balanced_kmeans"] = "random"
     """split: how neurons are grouped into experts (random, or balanced k-means on their input weights)."""
