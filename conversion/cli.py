@@ -17,6 +17,7 @@ import os
 import sys
 
 from .checks import at_least, int_list, non_negative_int, positive_float, positive_int
+from .cli_flags import Subcommand, setting_flag, settings_from
 from .errors import ExpertizeError
 
 
@@ -146,7 +147,7 @@ def _push(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from .checks import check_output_location, model_positions, resolve_device
     from .inspection import (
-        InspectionError, InspectionSettings, export_delphi, format_prompt_view, inspect_folder, load_for_inspection,
+        InspectionError, export_delphi, format_prompt_view, inspect_folder, load_for_inspection,
         parse_corpora, prompt_ids, prompt_view, report_bytes, token_texts,
     )
 
@@ -158,12 +159,7 @@ def _inspect(args: argparse.Namespace) -> int:
         return 0
     if not args.corpus or not args.output:
         raise InspectionError("give --corpus NAME=PATH (repeatable) and --output DIR, or --prompt TEXT")
-    layers = tuple(args.layers) if args.layers else None
-    settings = InspectionSettings(
-        tokens=args.tokens, context_length=args.context_length, batch_size=args.batch_size, top_n=args.top_n,
-        left=args.left, right=args.right, vocab_top=args.vocab_top, layers=layers,
-        collect_locations=args.export == "delphi",
-    )
+    settings = inspection_settings(args)
     corpora = parse_corpora(args.corpus)
     check_output_location(args.output, what="--output", need_bytes=report_bytes(args.model_dir, settings))
     stats = inspect_folder(
@@ -183,6 +179,14 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def inspection_settings(args: argparse.Namespace):
+    """The `InspectionSettings` of parsed `inspect` flags."""
+    from .inspection import InspectionSettings
+
+    layers = tuple(args.layers) if args.layers else None
+    return settings_from(args, InspectionSettings, layers=layers, collect_locations=args.export == "delphi")
+
+
 def _inspect_progress(done: int, total: int) -> None:
     print(f"\rexpertize: inspect: {done:,} / {total:,} tokens", end="", file=sys.stderr, flush=True)
 
@@ -196,31 +200,35 @@ def _add_inspect(sub) -> None:
         "promotes / suppresses; router kinds add load per expert and router entropy. Writes DIR/layer_<i>.json and "
         "DIR/index.html (self-contained, opens from disk). With --prompt: the units firing on each token.",
     )
+    ins.later = _inspect_flags
+    ins.set_defaults(func=_inspect)
+
+
+def _inspect_flags(ins) -> None:
+    """The `inspect` flags; those of `InspectionSettings`' fields take its defaults (and docstrings)."""
+    from .inspection import InspectionSettings as S
+
     ins.add_argument("model_dir", help="an expertize model folder (written by `expertize upcycle` or save_model)")
     ins.add_argument("--corpus", action="append", default=[], metavar="NAME=PATH",
                      help="a named corpus (.txt: one document per line or blank-line blocks; .jsonl: a \"text\" "
                      "field); repeat for per-domain firing rates, e.g. --corpus code=code.txt "
                      "--corpus wiki=wiki.jsonl")
-    ins.add_argument("--tokens", type=positive_int, default=100_000,
-                     help="tokens read from each corpus (default 100000)")
+    setting_flag(ins, S, "tokens", type=positive_int)
     ins.add_argument("--output", help="folder for layer_<i>.json and index.html")
     ins.add_argument("--prompt", help="print the units firing on each token of this text instead")
     ins.add_argument("--per-token", type=positive_int, default=5,
                      help="--prompt: units shown per token and layer (default 5)")
-    ins.add_argument("--layers", type=_layer_list, help="comma-separated sparse layer indices (default: all)")
-    ins.add_argument("--top-n", type=positive_int, default=10,
-                     help="top activating contexts kept per unit (default 10)")
-    ins.add_argument("--left", type=non_negative_int, default=12, help="context tokens before the peak (default 12)")
-    ins.add_argument("--right", type=non_negative_int, default=4, help="context tokens after the peak (default 4)")
-    ins.add_argument("--vocab-top", type=positive_int, default=10,
-                     help="promoted / suppressed tokens per unit (default 10)")
-    ins.add_argument("--context-length", type=at_least(2, "tokens per sequence"), default=128,
-                     help="tokens per sequence, at most the model's positions (default 128)")
-    ins.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass (default 8)")
+    setting_flag(ins, S, "layers", type=_layer_list, help="comma-separated sparse layer indices (default: all)")
+    setting_flag(ins, S, "top_n", type=positive_int)
+    setting_flag(ins, S, "left", type=non_negative_int)
+    setting_flag(ins, S, "right", type=non_negative_int, help="context tokens after the peak")
+    setting_flag(ins, S, "vocab_top", type=positive_int)
+    setting_flag(ins, S, "context_length", type=at_least(2, "tokens per sequence"),
+                  help="tokens per sequence, at most the model's positions")
+    setting_flag(ins, S, "batch_size", type=positive_int, help="sequences per forward pass")
     ins.add_argument("--device", default="cpu", help="auto, cpu, cuda, cuda:N, mps (default cpu)")
     ins.add_argument("--export", choices=["delphi"], help="also write a delphi latent cache to DIR/delphi_cache")
     ins.add_argument("--no-progress", action="store_true", help="no progress line")
-    ins.set_defaults(func=_inspect)
 
 
 def _specialize(args: argparse.Namespace) -> int:
@@ -228,12 +236,9 @@ def _specialize(args: argparse.Namespace) -> int:
 
     from .checks import check_output_location, resolve_device
     from .inspection import parse_corpora
-    from .specialization import SpecializationSettings, specialize_folder
+    from .specialization import specialize_folder
 
-    settings = SpecializationSettings(ratio=args.ratio, seed=args.seed, probe_ks=args.probe_k,
-                                      probe_top=args.probe_top, steer_scale=args.steer_scale,
-                                      batch_size=args.batch_size, bootstrap=args.bootstrap,
-                                      full_forward=args.full_forward)
+    settings = specialization_settings(args)
     if not 0 < args.eval_fraction < 1:
         from .specialization import SpecializationError
 
@@ -244,7 +249,7 @@ def _specialize(args: argparse.Namespace) -> int:
     if args.json:
         check_output_location(args.json, what="--json", file=True)
     report = specialize_folder(
-        args.model_dir, corpora, settings, layer=args.layer, fit_tokens=args.tokens,
+        args.model_dir, corpora, settings, layer=args.layer, fit_tokens=args.fit_tokens,
         eval_tokens=args.eval_tokens, context_length=args.context_length, eval_fraction=args.eval_fraction,
         base=args.base, device=device, progress=not args.no_progress, eval_corpora=eval_corpora,
         document_tokens=args.document_tokens,
@@ -257,6 +262,13 @@ def _specialize(args: argparse.Namespace) -> int:
     return 0
 
 
+def specialization_settings(args: argparse.Namespace):
+    """The `SpecializationSettings` of parsed `specialize` flags."""
+    from .specialization import SpecializationSettings
+
+    return settings_from(args, SpecializationSettings)
+
+
 def _add_specialize(sub) -> None:
     sp = sub.add_parser(
         "specialize",
@@ -266,42 +278,45 @@ def _add_specialize(sub) -> None:
         "side report ΔCE of ablating each domain's units (vs random live units), k-sparse probe F1 and the CE drop "
         "from steering a domain's unit (vs a random live unit).",
     )
+    sp.later = _specialize_flags
+    sp.set_defaults(func=_specialize)
+
+
+def _specialize_flags(sp) -> None:
+    """The `specialize` flags; those of `SpecializationSettings`' fields and `specialize_folder`'s keywords take
+    their defaults (and the fields' docstrings)."""
+    from .specialization import SpecializationSettings as S, specialize_folder as run
+
     sp.add_argument("model_dir", help="an expertize model folder")
     sp.add_argument("--corpus", action="append", default=[], metavar="NAME=PATH",
                     help="a domain corpus (.txt or .jsonl); give at least two")
     sp.add_argument("--layer", type=int, help="the sparse layer (default: the model's only one)")
     sp.add_argument("--base", help="the dense base model (folder or hub id) for the probing baseline on its MLP "
                     "neurons (default: no baseline)")
-    sp.add_argument("--tokens", type=at_least(2, "tokens"), default=32_768,
-                    help="fit tokens per domain (default 32768)")
-    sp.add_argument("--eval-tokens", type=at_least(2, "tokens"), default=8_192,
-                    help="held-out tokens per domain (default 8192)")
-    sp.add_argument("--eval-fraction", type=float, default=0.3, help="documents held out (default 0.3)")
+    setting_flag(sp, run, "fit_tokens", "--tokens", type=at_least(2, "tokens"), help="fit tokens per domain")
+    setting_flag(sp, run, "eval_tokens", type=at_least(2, "tokens"), help="held-out tokens per domain")
+    setting_flag(sp, run, "eval_fraction", type=float, help="documents held out")
     sp.add_argument("--eval-corpus", action="append", default=[], metavar="NAME=PATH",
                     help="an explicit held-out file for domain NAME: its --corpus is then all fit, this file all eval "
                     "(instead of the hash split); repeat per domain")
-    sp.add_argument("--document-tokens", type=positive_int, default=None,
-                    help="at most this many tokens from each document, so a budget spreads over more documents "
-                    "(narrower, more trustworthy intervals; default: whole documents)")
-    sp.add_argument("--bootstrap", type=at_least(0, "replicates"), default=1000,
-                    help="bootstrap replicates over eval documents for the intervals (default 1000; 0: none)")
-    sp.add_argument("--full-forward", action="store_true",
-                    help="measure every masking / steering condition by a full forward (default: replay only the "
-                    "blocks from the sparse layer up, bit for bit the same CE)")
-    sp.add_argument("--context-length", type=at_least(2, "tokens per context"), default=128,
-                    help="tokens per context, at most the model's positions (default 128)")
-    sp.add_argument("--ratio", type=positive_float, default=2.0, help="assignment ratio of Monet's rule (default 2)")
-    sp.add_argument("--probe-k", type=int_list, default=(1, 2, 4, 8, 16),
-                    help="k of the k-sparse probes (default 1,2,4,8,16)")
-    sp.add_argument("--probe-top", type=positive_int, default=100,
-                    help="units tried as 1-D probes per domain (default 100)")
-    sp.add_argument("--steer-scale", type=float, default=4.0, help="λ in units of the unit's mean activation (4)")
-    sp.add_argument("--seed", type=int, default=0, help="split, controls and probes seed (default 0)")
-    sp.add_argument("--batch-size", type=positive_int, default=8, help="sequences per forward pass (default 8)")
+    setting_flag(sp, run, "document_tokens", type=positive_int,
+                  help="at most this many tokens from each document, so a budget spreads over more documents "
+                  "(narrower, more trustworthy intervals; default: whole documents)")
+    setting_flag(sp, S, "bootstrap", type=at_least(0, "replicates"))
+    setting_flag(sp, S, "full_forward", action="store_true",
+                  help="measure every masking / steering condition by a full forward (default: replay only the "
+                  "blocks from the sparse layer up, bit for bit the same CE)")
+    setting_flag(sp, run, "context_length", type=at_least(2, "tokens per context"),
+                  help="tokens per context, at most the model's positions")
+    setting_flag(sp, S, "ratio", type=positive_float, help="assignment ratio of Monet's rule")
+    setting_flag(sp, S, "probe_ks", "--probe-k", type=int_list, help="k of the k-sparse probes")
+    setting_flag(sp, S, "probe_top", type=positive_int, help="units tried as 1-D probes per domain")
+    setting_flag(sp, S, "steer_scale", type=float, help="λ in units of the unit's mean activation")
+    setting_flag(sp, S, "seed", type=int, help="split, controls and probes seed")
+    setting_flag(sp, S, "batch_size", type=positive_int, help="sequences per forward pass")
     sp.add_argument("--device", default="cpu", help="auto, cpu, cuda, cuda:N, mps (default cpu)")
     sp.add_argument("--json", help="also write the full report as JSON to this file")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
-    sp.set_defaults(func=_specialize)
 
 
 def _capture(args: argparse.Namespace) -> int:
@@ -449,7 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="expertize", description="Turn the dense MLPs of a pretrained LM into sparse experts."
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Subcommand)
     up = sub.add_parser(
         "upcycle",
         help="distil sparse layers for a recipe's MLPs, evaluate, and write a Hub-loadable folder",

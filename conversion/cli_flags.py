@@ -1,0 +1,78 @@
+"""Subcommand flags generated from the settings they fill (issue 20): a flag for a field of a settings dataclass (or a
+keyword of the function it configures) takes its default, and its docstring as help, from there, so the CLI never
+re-declares a default. `Subcommand` adds such flags only when its subcommand runs or prints its help: the settings'
+modules import transformers, which `expertize --help` and the other subcommands need not load.
+"""
+
+import argparse
+import dataclasses
+import inspect
+from collections.abc import Callable
+
+
+class Subcommand(argparse.ArgumentParser):
+    """A subcommand's parser whose flags may be added on first use (`later`): flags generated from a settings
+    dataclass import the module that defines it (with transformers), which `expertize --help` and the other
+    subcommands need not load."""
+
+    later: Callable[[argparse.ArgumentParser], None] | None = None
+
+    def add_later_flags(self) -> "Subcommand":
+        add, self.later = self.later, None
+        if add is not None:
+            add(self)
+        return self
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.add_later_flags()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self.add_later_flags()
+        return super().format_help()
+
+
+def setting_flag(parser, owner, name: str, flag: str | None = None, *, help: str | None = None, **kwargs) -> None:
+    """`flag` (default --NAME with dashes) for the setting `name` of `owner`, a settings dataclass (its field) or a
+    function (its keyword): the default is the owner's, the help its field docstring unless `help` is given, with
+    the default appended. The parsed value lands in args.NAME, so the settings are built from the same names."""
+    default = _default_of(owner, name)
+    if help is None:
+        from .recipe.coerce import field_docs
+
+        doc = field_docs(owner)[name]
+        help = doc[0].lower() + doc[1:].rstrip(".")
+    if kwargs.get("action") == "store_true":
+        if default is not False:
+            raise ValueError(f"{owner.__name__}.{name}: a store_true flag needs the default False, not {default!r}")
+    else:
+        kwargs["default"] = default
+        if default is not None:  # "text (default 8)", or "text (a note; default 8)"
+            shown = f"default {_shown(default)}"
+            help = f"{help[:-1]}; {shown})" if help.endswith(")") else f"{help} ({shown})"
+    flag = flag or "--" + name.replace("_", "-")
+    if kwargs.get("action") != "store_true" and flag != "--" + name.replace("_", "-"):
+        kwargs.setdefault("metavar", flag.lstrip("-").replace("-", "_").upper())  # the usage names the flag
+    parser.add_argument(flag, dest=name, help=help, **kwargs)
+
+
+def _default_of(owner, name: str):
+    """The default of field `name` of a dataclass, or of keyword `name` of a function."""
+    if dataclasses.is_dataclass(owner):
+        field = {f.name: f for f in dataclasses.fields(owner)}[name]
+        return field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+    return inspect.signature(owner).parameters[name].default
+
+
+def _shown(value) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (tuple, list)):
+        return ",".join(_shown(v) for v in value)
+    return str(value)
+
+
+def settings_from(args: argparse.Namespace, owner, **given):
+    """`owner`'s settings from the parsed flags of the same names (`setting_flag`), plus `given`."""
+    names = {f.name for f in dataclasses.fields(owner)} - set(given)
+    return owner(**{name: getattr(args, name) for name in names if hasattr(args, name)}, **given)
