@@ -140,6 +140,26 @@ class MoeXSpec(SparseSpec):
             "activation": "relu" if init == "default" else shape.activation,
         }
 
+    @classmethod
+    def dense_init_fields(cls, method: str, dense, *, num_units: int | None = None, k: int | None = None) -> dict:
+        """The exact upcycle of `dense` (conversion/surgery/dense_init.py): split: d_expert = ceil(H / M), k = M and
+        gate_scaling "none" (with all experts on the layer equals the MLP; lower k for a sparse layer); copy:
+        d_expert = H, k = 2 (the paper) and softmax gates (they sum to 1). The activation, GLU form and expert
+        biases are the MLP's; M is `num_units` (default 8)."""
+        num_experts = num_units if num_units is not None else cls.__dataclass_fields__["num_experts"].default
+        split = method == "split"
+        return dict(
+            d_in=dense.d_in,
+            d_out=dense.d_out,
+            d_expert=math.ceil(dense.d_hidden / num_experts) if split else dense.d_hidden,
+            num_experts=num_experts,
+            k=(num_experts if split else 2) if k is None else k,
+            activation=dense.activation,
+            expert_bias=dense.bias,
+            expert_glu=dense.glu,
+            gate_scaling="none" if split else "softmax",
+        )
+
     def validate(self) -> None:
         super().validate()
         for name in ("d_expert", "num_experts", "k"):
@@ -290,7 +310,7 @@ class MoeXLayer(SparseLayer):
     def reset_parameters(self) -> None:
         """nn.Linear's default init for every expert's encoder and the switch router, W_dec per `decoder_init`;
         zero biases (the trainer sets b_dec to the mean MLP output). Upcycling overwrites these
-        (conversion/dense_init.py)."""
+        (`init_from_dense`)."""
         I, D = self.spec.d_in, self.spec.d_expert
         for w in (self.W_enc, self.W_up, self.W_router):
             if w is not None:
@@ -323,6 +343,73 @@ class MoeXLayer(SparseLayer):
 
     def output_directions(self) -> torch.Tensor:
         return self.decoder_rows().detach()  # unit j·D + h: column h of expert j's decoder: (M·D, O)
+
+    # -- starting from a dense MLP (conversion/surgery/dense_init.py) ----------------------------------------------
+
+    @property
+    def dense_init_groups(self) -> int:
+        return self.spec.num_experts  # expert j holds neuron group j
+
+    def dense_fit_problems(self, dense, method: str) -> list[str]:
+        spec, M = self.spec, self.spec.num_experts
+        want_d_expert = math.ceil(dense.d_hidden / M) if method == "split" else dense.d_hidden
+        problems = []
+        if (spec.d_in, spec.d_out) != (dense.d_in, dense.d_out):
+            problems.append(f"d_in, d_out = {spec.d_in}, {spec.d_out} but the MLP maps {dense.d_in} -> {dense.d_out}")
+        if spec.d_expert != want_d_expert:
+            problems.append(f"d_expert={spec.d_expert} but {method} of a {dense.d_hidden}-wide MLP into {M} experts "
+                            f"needs d_expert={want_d_expert}")
+        if spec.expert_glu != dense.glu:
+            form = "gated (GLU)" if dense.glu else "not gated"
+            problems.append(f"expert_glu={spec.expert_glu} but the MLP is {form}")
+        if (dense.b_in is not None or dense.b_up is not None) and not spec.expert_bias:
+            problems.append("the MLP has encoder biases but expert_bias=false")
+        if method == "copy" and spec.gate_scaling != "softmax":
+            problems.append(f"copy-upcycling needs gates that sum to 1 (gate_scaling='softmax'), got "
+                            f"{spec.gate_scaling!r}, which would multiply the MLP's output; "
+                            "use gate_scaling='softmax'")
+        if method == "split" and spec.gate_scaling == "softmax":
+            problems.append("split-upcycling with gate_scaling='softmax' scales every expert's share of the dense sum "
+                            "by its gate (≈ 1/k): use gate_scaling='none' (exact at k = num_experts) or 'k_softmax'")
+        return problems
+
+    @torch.no_grad()
+    def init_from_dense(self, dense, groups: list[torch.Tensor], *, noise_std: float = 0.0, seed: int = 0) -> None:
+        """Expert j takes neurons groups[j] into its first len(groups[j]) slots: their encoder rows, biases and
+        decoder columns; spare slots are zero (they add nothing). The switch router keeps its random initialization
+        (Komatsuzaki et al.). Noise goes to the encoders only (the sparsity router reads W_enc: identical experts
+        would tie)."""
+
+        def fill(param: nn.Parameter | None, source: torch.Tensor | None, dim: int) -> None:
+            # param (M, ..., D, ...) with the hidden dim at `dim` (1 for W_enc/W_up/b_enc/b_up, 2 for W_dec): expert
+            # j takes `source`'s hidden entries groups[j] (dim 0 of source, -1 for W_out) into its first len(group)
+            # slots.
+            if param is None:
+                return
+            if source is None:  # the MLP has no such bias: zeros keep the function
+                nn.init.zeros_(param)
+                return
+            value = torch.zeros(param.shape, dtype=source.dtype, device=source.device)
+            for j, group in enumerate(groups):
+                part = source.index_select(0 if dim == 1 else source.dim() - 1, group.to(source.device))
+                value[j].narrow(dim - 1, 0, len(group)).copy_(part)
+            param.copy_(value)
+
+        fill(self.W_enc, dense.w_in, 1)  # (M, D, I) <- rows of W_in
+        fill(self.b_enc, dense.b_in, 1)  # (M, D)
+        fill(self.W_up, dense.w_up, 1)
+        fill(self.b_up, dense.b_up, 1)
+        fill(self.W_dec, dense.w_out, 2)  # (M, O, D) <- columns of W_out
+        if dense.b_out is None:
+            nn.init.zeros_(self.b_dec)
+        else:
+            self.b_dec.copy_(dense.b_out)
+        if noise_std > 0:
+            gen = torch.Generator().manual_seed(seed)
+            scale = noise_std * dense.w_in.double().std().item()
+            for j, group in enumerate(groups):  # one expert at a time: no second (M, D, I) tensor
+                noise = torch.randn((len(group), self.W_enc.shape[2]), generator=gen, dtype=torch.float64)
+                self.W_enc[j, : len(group)].add_((scale * noise).to(self.W_enc))  # padding slots stay zero
 
     def unit_index(self, expert: int, hidden: int) -> int:
         """Code unit id of hidden unit `hidden` of expert `expert` (j·D + h)."""

@@ -125,7 +125,9 @@ class SparseSpec:
     the transcoder's parameter count; others are computed by `matched_size`."""
     init_modes: ClassVar[tuple[str, ...]] = ("default",)
     """Where the weights can start (recipe `layer.init`): "default" (`reset_parameters`), or modes built from the
-    dense MLP ("split", "copy") that the conversion package implements for this kind."""
+    dense MLP ("split", "copy"): the spec gives their fields (`dense_init_fields`), the layer takes the MLP's weights
+    (`SparseLayer.dense_init_groups`, `dense_fit_problems`, `init_from_dense`) and conversion/surgery/dense_init.py
+    runs them."""
     citation: ClassVar[str] = ""
     """BibTeX of the paper behind the kind (cited by every model card that uses it)."""
     activation_meaning: ClassVar[str] = "the unit's coefficient in the sparse code; fires where > 0"
@@ -191,6 +193,16 @@ class SparseSpec:
             "activation": shape.activation,
         }
         return {name: value for name, value in derived.items() if name in names}
+
+    @classmethod
+    def dense_init_fields(
+        cls, method: str, dense: Any, *, num_units: int | None = None, k: int | None = None
+    ) -> dict[str, Any]:
+        """Field values of a layer that starts as the dense MLP `dense` by `method` (one of `init_modes` other than
+        "default"), for `SparseLayer.init_from_dense`: the exact form (with all units on, the layer equals the MLP
+        for "split"). `dense` has d_in, d_hidden, d_out, glu, bias (whether it has biases) and activation (canonical);
+        `num_units` and `k` are the caller's choices when given. Kinds listing such modes override this."""
+        raise NotImplementedError(f"{cls.kind} layers do not start from a dense MLP (init_modes: {cls.init_modes})")
 
     @classmethod
     def matched_size(cls, fields: dict[str, Any], num_latents: int, convention: str) -> int | None:
@@ -314,6 +326,29 @@ class SparseLayer(nn.Module):
     def directions_from_means(self, means: torch.Tensor) -> torch.Tensor:
         """(U, F) per-unit means of `direction_terms` -> (U, O) output directions."""
         raise NotImplementedError
+
+    # -- starting from a dense MLP (the spec's init_modes besides "default"; conversion/surgery/dense_init.py) ------
+
+    @property
+    def dense_init_groups(self) -> int:
+        """How many groups of the dense MLP's hidden neurons the layer takes (one per expert): "split" partitions the
+        neurons into this many groups, "copy" gives each group all of them."""
+        raise NotImplementedError(f"{self.spec.kind} layers do not start from a dense MLP")
+
+    def dense_fit_problems(self, dense: Any, method: str) -> list[str]:
+        """What keeps this layer's spec from holding the dense MLP `dense` (d_in, d_hidden, d_out, glu, bias) by
+        `method`, one message per mismatch (each naming the field and the value it needs); [] when it fits."""
+        raise NotImplementedError(f"{self.spec.kind} layers do not start from a dense MLP")
+
+    @torch.no_grad()
+    def init_from_dense(
+        self, dense: Any, groups: list[torch.Tensor], *, noise_std: float = 0.0, seed: int = 0
+    ) -> None:
+        """Overwrite the weights with a dense MLP's: group j of units takes the hidden neurons `groups[j]` (sorted
+        ids) of `dense` (w_in (H, I), b_in, w_up, b_up (None unless GLU), w_out (O, H), b_out; a missing bias gives
+        zeros), plus Gaussian noise of `noise_std` x std(w_in) where the kind needs ties broken (drawn from `seed`).
+        Called after `dense_fit_problems` returned []."""
+        raise NotImplementedError(f"{self.spec.kind} layers do not start from a dense MLP")
 
     supports_resampling = False
     """Whether `resample_units` can re-point dead units at given inputs (conversion/training/resample.py)."""

@@ -1,19 +1,26 @@
 """Upcycling MoE-X from dense MLPs: split reproduces the MLP exactly, copy + noise spreads tokens over the experts,
 activation switches are explicit, and misfit specs fail with clear messages."""
 
+from functools import partial
+
 import pytest
 import torch
 
 from expertize.conversion.data.capture import decoder_blocks
 from expertize.conversion.surgery.dense_init import (
     dense_mlp,
+    init_from_dense,
     init_moe_from_dense,
-    moe_x_from_dense,
-    moe_x_spec_for_mlp,
+    layer_from_dense,
     partition_neurons,
+    spec_for_dense,
 )
-from expertize.modeling import MlpShape, MoeXLayer
+from expertize.modeling import MlpShape, MoeXLayer, TranscoderSpec, build_sparse_layer
 from tests.conftest import D_HIDDEN, D_MODEL, tiny_base_model
+
+# dense_init names no kind; these tests are MoE-X's.
+moe_x_from_dense = partial(layer_from_dense, "moe_x")
+moe_x_spec_for_mlp = partial(spec_for_dense, "moe_x")
 
 FAMILIES = ["gpt2", "gpt_neox", "llama", "mistral", "qwen2"]
 BASE_ACTIVATION = {"gpt2": "gelu_new", "gpt_neox": "gelu", "llama": "silu", "mistral": "silu", "qwen2": "silu"}
@@ -189,3 +196,16 @@ def test_bad_arguments():
         moe_x_from_dense(mlp, "copy", 4, noise_std=-1.0)
     with pytest.raises(ValueError, match=r"cannot read the dense MLP Linear .*supported layouts are GPT-2"):
         dense_mlp(torch.nn.Linear(4, 4))
+
+
+def test_a_kind_without_dense_init_modes_is_refused():
+    """dense_init asks the kind (its spec's init_modes), so a kind that cannot hold a dense MLP is refused by name."""
+    mlp = _mlps("gpt2")[0]
+    layer = build_sparse_layer(TranscoderSpec(d_in=D_MODEL, d_out=D_MODEL, num_latents=64, k=4)).double()
+    expected = r"transcoder layers cannot start from a dense MLP .*; kinds that can: moe_x"
+    with pytest.raises(ValueError, match=expected):
+        init_from_dense(layer, mlp, "split")
+    with pytest.raises(ValueError, match=expected):
+        spec_for_dense("transcoder", mlp, "copy")
+    with pytest.raises(ValueError, match=r"unknown sparse layer kind 'mox'"):
+        spec_for_dense("mox", mlp, "copy")

@@ -1,4 +1,4 @@
-"""Routing statistics of layers with a router: load per expert and router entropy, accumulated over the inspection pass.
+"""Routing statistics of layers with a router: load per expert and router entropy, accumulated over inspection's pass.
 
 What a layer's routing is comes from the layer itself (`SparseLayer.router_distribution` and friends in
 modeling/sparse_base.py), never from its kind:
@@ -29,8 +29,8 @@ def has_router(layer: nn.Module) -> bool:
     distribution = getattr(layer, "router_distribution", None)
     if distribution is not None and distribution not in ROUTER_DISTRIBUTIONS:
         raise ValueError(
-            f"{type(layer).__name__}.router_distribution={distribution!r}: must be one of {list(ROUTER_DISTRIBUTIONS)} "
-            "or None (see SparseLayer.router_distribution in modeling/sparse_base.py)"
+            f"{type(layer).__name__}.router_distribution={distribution!r}: must be one of "
+            f"{list(ROUTER_DISTRIBUTIONS)} or None (see SparseLayer.router_distribution in modeling/sparse_base.py)"
         )
     return distribution is not None
 

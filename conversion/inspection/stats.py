@@ -2,8 +2,8 @@
 
 What a unit and its activation are comes from the layer's sparse code (`SparseCode`, read at `mlp.activation_hook`:
 the code hook, or a kind's own view where its code weight is not the unit's contribution, e.g. routed neurons' |g·h|),
-so every kind is covered the same way: per token the code lists (unit id, weight) pairs, and a unit **fires** on a token
-when it is listed with a weight > 0; its **activation** there is that weight.
+so every kind is covered the same way: per token the code lists (unit id, weight) pairs, and a unit **fires** on a
+token when it is listed with a weight > 0; its **activation** there is that weight.
 
     mxd                          experts; a = TopK(ReLU(G x)) coefficient
     transcoder, skip_transcoder  latents; TopK(ReLU(W_enc x)) value
@@ -136,7 +136,8 @@ def sparse_layers_of(model: nn.Module) -> dict[int, nn.Module]:
 
 
 class _LayerRecorder:
-    """Hooks on one sparse layer: reads its activations (activation_hook output) and folds each forward into the statistics."""
+    """Hooks on one sparse layer: reads its activations (activation_hook output) and folds each forward into the
+    statistics."""
 
     def __init__(self, index: int, layer: nn.Module, settings: InspectionSettings, num_domains: int) -> None:
         U = layer.num_units

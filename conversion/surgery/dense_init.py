@@ -1,13 +1,16 @@
-"""Initialize MoE-X layers from a dense MLP ("sparse upcycling") for GPT-2, GPT-NeoX/Pythia and Llama-like MLPs.
+"""Start a sparse layer from a dense MLP ("sparse upcycling") for GPT-2, GPT-NeoX/Pythia and Llama-like MLPs.
 
-Two methods:
+The methods are the `init_modes` a kind's spec lists besides "default" (today MoE-X's); the layer says how it holds
+the MLP (`SparseLayer.dense_init_groups`, `dense_fit_problems`, `init_from_dense`) and its spec which fields do
+(`SparseSpec.dense_init_fields`), so nothing here names a kind:
 
-- "split" (MoEfication / LLaMA-MoE style; ours for MoE-X, the paper does not say how it upcycles): the H hidden
-  neurons are partitioned into M groups (random, or balanced k-means on the neurons' input weight vectors) and expert j
-  holds group j: its encoder rows, biases and decoder columns. d_expert = ceil(H / M); when M does not divide H the
-  spare slots of the smaller groups are zero (zero encoder row and bias, zero decoder column: they add nothing, and
-  under ReLU they get no gradient either, so prefer M | H). With all experts on (k = M), gate_scaling="none" and the
-  base activation, the layer equals the MLP exactly: Σ_j W_decʲ φ(W_encʲ x + b_encʲ) + b_dec is the dense sum.
+- "split" (MoEfication / LLaMA-MoE style; for MoE-X ours, the paper does not say how it upcycles): the H hidden
+  neurons are partitioned into as many groups as the layer has experts (random, or balanced k-means on the neurons'
+  input weight vectors) and expert j holds group j: its encoder rows, biases and decoder columns. For MoE-X,
+  d_expert = ceil(H / M); when M does not divide H the spare slots of the smaller groups are zero (zero encoder row
+  and bias, zero decoder column: they add nothing, and under ReLU they get no gradient either, so prefer M | H).
+  With all experts on (k = M), gate_scaling="none" and the base activation, the layer equals the MLP exactly:
+  Σ_j W_decʲ φ(W_encʲ x + b_encʲ) + b_dec is the dense sum.
 - "copy" (Komatsuzaki et al. 2022, the paper's "upcycling"): every expert is the whole MLP (d_expert = H). Softmax
   gates sum to 1, so the layer equals the MLP at any k while the experts are identical. But identical experts also
   have identical sparsity-router scores, so TopK's tie-breaking sends every token to the same k experts and the others
@@ -17,10 +20,10 @@ Two methods:
 GLU MLPs (Llama: down(act(gate x) * up x)) map gate -> W_enc (the branch under φ, which the sparsity router reads),
 up -> W_up, down -> W_dec, with `expert_glu=True`. MoE-X's experts are ReLU; switching a GELU / SiLU MLP to ReLU
 changes the function, so it is an explicit option: build the spec with `activation="relu"` and pass
-`allow_activation_change=True` (`moe_x_from_dense(..., activation="relu")` does both). To see what the switch costs
-before training, splice the layers in and compare the cross-entropy, e.g.
+`allow_activation_change=True` (`layer_from_dense(kind, ..., activation="relu")` does both). To see what the switch
+costs before training, splice the layers in and compare the cross-entropy, e.g.
 
-    layers = {i: moe_x_from_dense(decoder_blocks(model)[i].mlp, "copy", activation="relu") for i in targets}
+    layers = {i: layer_from_dense(kind, decoder_blocks(model)[i].mlp, "copy", activation="relu") for i in targets}
     with replaced_mlps(model, layers):          # conversion.capture
         ce = next_token_ce(model(ids).logits, ids)   # conversion.metrics
 """
@@ -31,10 +34,10 @@ import math
 import torch
 from torch import nn
 
-from expertize.modeling import MlpShape, MoeXLayer, MoeXSpec
-from expertize.modeling.sparse_base import ACTIVATIONS, canonical_activation
+from expertize.modeling import MlpShape
+from expertize.modeling.sparse_base import ACTIVATIONS, SparseLayer, SparseSpec, canonical_activation
+from expertize.modeling.sparse_layers import LAYER_KINDS, build_sparse_layer
 
-METHODS = ("split", "copy")
 CLUSTERINGS = ("random", "balanced_kmeans")
 COPY_NOISE_STD = 0.01
 """Default relative encoder noise for "copy" (ours; the paper is silent): enough to break the router's ties."""
@@ -68,6 +71,38 @@ class DenseMlp:
     def shape(self) -> tuple[int, int, int]:
         """(I, H, O)."""
         return self.w_in.shape[1], self.w_in.shape[0], self.w_out.shape[0]
+
+    # The facts `SparseSpec.dense_init_fields` and `SparseLayer.dense_fit_problems` read (also `DenseShape`'s).
+
+    @property
+    def d_in(self) -> int:
+        return self.shape[0]
+
+    @property
+    def d_hidden(self) -> int:
+        return self.shape[1]
+
+    @property
+    def d_out(self) -> int:
+        return self.shape[2]
+
+    @property
+    def bias(self) -> bool:
+        return self.has_bias
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseShape:
+    """A dense MLP's shape without its weights (what a spec needs to hold it)."""
+
+    d_in: int
+    d_hidden: int
+    d_out: int
+    glu: bool
+    bias: bool
+    """Whether the MLP has biases (assumed from the family when only an `MlpShape` is known)."""
+    activation: str
+    """φ, canonical name."""
 
 
 def _bias(module: nn.Module) -> torch.Tensor | None:
@@ -112,41 +147,44 @@ def _activation_name(act) -> str:
         if torch.allclose(values, fn(probe), rtol=0, atol=1e-7):
             return name
     raise ValueError(
-        f"the dense MLP's activation {act!r} matches none of {sorted(ACTIVATIONS)}, which the MoE-X experts implement"
+        f"the dense MLP's activation {act!r} matches none of {sorted(ACTIVATIONS)}, which the sparse layers implement"
     )
 
 
-def moe_x_spec_for_mlp(
-    mlp: nn.Module | MlpShape | DenseMlp, method: str, num_experts: int = 8, k: int | None = None, **fields
-) -> MoeXSpec:
-    """A MoE-X spec matching a dense MLP (module, `MlpShape` or `DenseMlp`) for `init_moe_from_dense`.
+def init_methods(kind: str) -> tuple[str, ...]:
+    """The methods by which `kind` can start from a dense MLP: its spec's init_modes besides "default"."""
+    return tuple(mode for mode in LAYER_KINDS[kind][0].init_modes if mode != "default")
 
-    split: d_expert = ceil(H / M), k = M and gate_scaling="none" by default (the exact equivalent; lower k for a
-    sparse layer). copy: d_expert = H, k = 2 (the paper) and softmax gates. The activation, GLU form and expert biases
-    default to the MLP's (for an `MlpShape`, biases are assumed for plain MLPs (GPT-2, Pythia) and absent for GLU
-    ones (Llama-like): pass expert_bias to override). Any other MoeXSpec field can be given in `fields`.
+
+def _check_method(kind: str, method: str) -> None:
+    if kind not in LAYER_KINDS:
+        raise ValueError(f"unknown sparse layer kind {kind!r}; known kinds: {sorted(LAYER_KINDS)}")
+    methods = init_methods(kind)
+    if not methods:
+        kinds = [k for k in LAYER_KINDS if init_methods(k)]
+        raise ValueError(f"{kind} layers cannot start from a dense MLP (their spec's init_modes are only 'default'); "
+                         f"kinds that can: {', '.join(kinds)}")
+    _check_choice("method", method, methods)
+
+
+def spec_for_dense(
+    kind: str, mlp: nn.Module | MlpShape | DenseMlp, method: str, num_units: int | None = None,
+    k: int | None = None, **fields,
+) -> SparseSpec:
+    """A `kind` spec that holds a dense MLP (module, `MlpShape` or `DenseMlp`) exactly by `method`, for
+    `init_from_dense`: the spec's `dense_init_fields` (e.g. MoE-X split: d_expert = ceil(H / M), k = M and
+    gate_scaling="none"; copy: d_expert = H, k = 2 and softmax gates). The activation, GLU form and biases default to
+    the MLP's (for an `MlpShape`, biases are assumed for plain MLPs (GPT-2, Pythia) and absent for GLU ones
+    (Llama-like)); any spec field can be given in `fields`.
     """
-    _check_choice("method", method, METHODS)
+    _check_method(kind, method)
     if isinstance(mlp, MlpShape):
-        d_in = d_out = mlp.d_model
-        hidden, glu, bias, activation = mlp.d_hidden, mlp.glu, not mlp.glu, canonical_activation(mlp.activation)
+        dense = DenseShape(mlp.d_model, mlp.d_hidden, mlp.d_model, mlp.glu, not mlp.glu,
+                           canonical_activation(mlp.activation))
     else:
         dense = dense_mlp(mlp)
-        d_in, hidden, d_out = dense.shape
-        glu, bias, activation = dense.glu, dense.has_bias, dense.activation
-    split = method == "split"
-    defaults = dict(
-        d_in=d_in,
-        d_out=d_out,
-        d_expert=math.ceil(hidden / num_experts) if split else hidden,
-        num_experts=num_experts,
-        k=(num_experts if split else 2) if k is None else k,
-        activation=activation,
-        expert_bias=bias,
-        expert_glu=glu,
-        gate_scaling="none" if split else "softmax",
-    )
-    return MoeXSpec(**{**defaults, **fields})
+    spec_cls = LAYER_KINDS[kind][0]
+    return spec_cls(**{**spec_cls.dense_init_fields(method, dense, num_units=num_units, k=k), **fields})
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -214,46 +252,26 @@ def _capacity_assign(dist: torch.Tensor, sizes: list[int]) -> torch.Tensor:
 # -- initialization -------------------------------------------------------------------------------------------------
 
 
-def _check_layer_fits(layer: MoeXLayer, dense: DenseMlp, method: str, allow_activation_change: bool) -> None:
+def _check_layer_fits(layer: SparseLayer, dense: DenseMlp, method: str, allow_activation_change: bool) -> None:
     spec = layer.spec
-    I, H, O = dense.shape
-    M = spec.num_experts
-    fix = "build the spec with moe_x_spec_for_mlp(mlp, method, ...)"
-    want_d_expert = math.ceil(H / M) if method == "split" else H
-    problems = []
-    if (spec.d_in, spec.d_out) != (I, O):
-        problems.append(f"d_in, d_out = {spec.d_in}, {spec.d_out} but the MLP maps {I} -> {O}")
-    if spec.d_expert != want_d_expert:
-        problems.append(
-            f"d_expert={spec.d_expert} but {method} of a {H}-wide MLP into {M} experts needs d_expert={want_d_expert}"
-        )
-    if spec.expert_glu != dense.glu:
-        problems.append(f"expert_glu={spec.expert_glu} but the MLP is {'gated (GLU)' if dense.glu else 'not gated'}")
-    if (dense.b_in is not None or dense.b_up is not None) and not spec.expert_bias:
-        problems.append("the MLP has encoder biases but expert_bias=false")
+    problems = layer.dense_fit_problems(dense, method)
     if problems:
-        raise ValueError(f"moe_x layer does not fit the dense MLP for {method!r}: {'; '.join(problems)}; {fix}")
-    if method == "copy" and spec.gate_scaling != "softmax":
         raise ValueError(
-            f"copy-upcycling needs gates that sum to 1 (gate_scaling='softmax'), got {spec.gate_scaling!r}, which "
-            "would multiply the MLP's output; use gate_scaling='softmax'"
+            f"{spec.kind} layer does not fit the dense MLP for {method!r}: {'; '.join(problems)}; build the spec "
+            f"with spec_for_dense({spec.kind!r}, mlp, {method!r}, ...)"
         )
-    if method == "split" and spec.gate_scaling == "softmax":
+    activation = getattr(spec, "activation", dense.activation)
+    if activation != dense.activation and not allow_activation_change:
         raise ValueError(
-            "split-upcycling with gate_scaling='softmax' scales every expert's share of the dense sum by its gate "
-            "(≈ 1/k): use gate_scaling='none' (exact at k = num_experts) or 'k_softmax'"
-        )
-    if spec.activation != dense.activation and not allow_activation_change:
-        raise ValueError(
-            f"moe_x.activation={spec.activation!r} differs from the dense MLP's {dense.activation!r}, which changes "
+            f"{spec.kind}.activation={activation!r} differs from the dense MLP's {dense.activation!r}, which changes "
             f"the function (e.g. MoE-X's ReLU experts from a GELU MLP); pass allow_activation_change=True to do it on "
             f"purpose, or build the spec with activation={dense.activation!r} to upcycle exactly"
         )
 
 
 @torch.no_grad()
-def init_moe_from_dense(
-    layer: MoeXLayer,
+def init_from_dense(
+    layer: SparseLayer,
     mlp: nn.Module | DenseMlp,
     method: str,
     *,
@@ -261,86 +279,54 @@ def init_moe_from_dense(
     noise_std: float | None = None,
     seed: int = 0,
     allow_activation_change: bool = False,
-) -> MoeXLayer:
-    """Overwrite `layer`'s experts and b_dec with the dense MLP's weights (see the module docstring); returns it.
+) -> SparseLayer:
+    """Overwrite `layer`'s weights with the dense MLP's (see the module docstring); returns it.
 
-    noise_std: Gaussian noise added to every expert's W_enc, relative to std(W_in); None means COPY_NOISE_STD for
-    "copy" (ties must be broken) and 0 for "split" (keeps the function exact). clustering and seed choose the split
-    partition (`partition_neurons(dense, M, clustering, seed)` returns it); seed also draws the noise. The switch
-    router keeps its random initialization (Komatsuzaki et al.).
+    noise_std: Gaussian noise relative to std(W_in) where the layer puts it (MoE-X: every expert's W_enc); None means
+    COPY_NOISE_STD for "copy" (ties must be broken) and 0 for "split" (keeps the function exact). clustering and seed
+    choose the split partition (`partition_neurons(dense, groups, clustering, seed)` returns it); seed also draws the
+    noise.
     """
-    _check_choice("method", method, METHODS)
+    _check_method(layer.spec.kind, method)
     std = (COPY_NOISE_STD if method == "copy" else 0.0) if noise_std is None else float(noise_std)
     if not std >= 0:
         raise ValueError(f"noise_std must be >= 0, got {noise_std}")
     dense = dense_mlp(mlp)
     _check_layer_fits(layer, dense, method, allow_activation_change)
-    M = layer.spec.num_experts
-    H = dense.w_in.shape[0]
+    num_groups = layer.dense_init_groups
     if method == "split":
-        groups = partition_neurons(dense, M, clustering, seed)
+        groups = partition_neurons(dense, num_groups, clustering, seed)
     else:
-        groups = [torch.arange(H)] * M
-
-    def fill(param: nn.Parameter | None, source: torch.Tensor | None, dim: int) -> None:
-        # param (M, ..., D, ...) with the hidden dim at `dim` (1 for W_enc/W_up/b_enc/b_up, 2 for W_dec): expert j
-        # takes `source`'s hidden entries groups[j] (dim 0 of source, -1 for W_out) into its first len(group) slots.
-        if param is None:
-            return
-        if source is None:  # the MLP has no such bias: zeros keep the function
-            nn.init.zeros_(param)
-            return
-        value = torch.zeros(param.shape, dtype=source.dtype, device=source.device)
-        for j, group in enumerate(groups):
-            part = source.index_select(0 if dim == 1 else source.dim() - 1, group.to(source.device))
-            value[j].narrow(dim - 1, 0, len(group)).copy_(part)
-        param.copy_(value)
-
-    fill(layer.W_enc, dense.w_in, 1)  # (M, D, I) <- rows of W_in
-    fill(layer.b_enc, dense.b_in, 1)  # (M, D)
-    fill(layer.W_up, dense.w_up, 1)
-    fill(layer.b_up, dense.b_up, 1)
-    fill(layer.W_dec, dense.w_out, 2)  # (M, O, D) <- columns of W_out
-    if dense.b_out is None:
-        nn.init.zeros_(layer.b_dec)
-    else:
-        layer.b_dec.copy_(dense.b_out)
-
-    if std > 0:
-        gen = torch.Generator().manual_seed(seed)
-        scale = std * dense.w_in.double().std().item()
-        for j, group in enumerate(groups):  # one expert at a time: no second (M, D, I) tensor
-            noise = torch.randn((len(group), layer.W_enc.shape[2]), generator=gen, dtype=torch.float64)
-            layer.W_enc[j, : len(group)].add_((scale * noise).to(layer.W_enc))  # padding slots stay zero
+        groups = [torch.arange(dense.d_hidden)] * num_groups
+    layer.init_from_dense(dense, groups, noise_std=std, seed=seed)
     return layer
 
 
-def moe_x_from_dense(
+init_moe_from_dense = init_from_dense
+"""The name upcycle.py and benchmarks/ import (a mixture of experts from a dense MLP)."""
+
+
+def layer_from_dense(
+    kind: str,
     mlp: nn.Module,
     method: str,
-    num_experts: int = 8,
+    num_units: int | None = None,
     k: int | None = None,
     *,
     clustering: str = "random",
     noise_std: float | None = None,
     seed: int = 0,
     **fields,
-) -> MoeXLayer:
-    """Build and upcycle a MoE-X layer from `mlp` in one call, on the MLP's device and dtype.
+) -> SparseLayer:
+    """Build a `kind` layer that starts as `mlp` in one call, on the MLP's device and dtype.
 
-    `fields` go to the spec (see `moe_x_spec_for_mlp`); an explicit `activation` other than the MLP's is taken as the
+    `fields` go to the spec (see `spec_for_dense`); an explicit `activation` other than the MLP's is taken as the
     deliberate switch (e.g. activation="relu" for MoE-X's ReLU experts).
     """
     dense = dense_mlp(mlp)
-    spec = moe_x_spec_for_mlp(dense, method, num_experts, k, **fields)
-    weight = dense.w_in
-    layer = MoeXLayer(spec).to(device=weight.device, dtype=weight.dtype)
-    return init_moe_from_dense(
-        layer,
-        dense,
-        method,
-        clustering=clustering,
-        noise_std=noise_std,
-        seed=seed,
+    spec = spec_for_dense(kind, dense, method, num_units, k, **fields)
+    layer = build_sparse_layer(spec).to(device=dense.w_in.device, dtype=dense.w_in.dtype)
+    return init_from_dense(
+        layer, dense, method, clustering=clustering, noise_std=noise_std, seed=seed,
         allow_activation_change="activation" in fields,
     )
