@@ -45,6 +45,7 @@ TOY_KIND = "toy_topk"
 
 TOY_ACTIVATION_MEANING = "toy latent value ReLU(s_l), s = W_enc x + b_enc, among the top K (tests/toy_kind.py)"
 TOY_CODE_UNIT = "toy latent"
+TOY_CITATION = "@misc{toy2026kind,\n  title = {A toy sparse kind that only tests register}\n}"
 
 
 @dataclasses.dataclass
@@ -55,6 +56,7 @@ class ToySpec(SparseSpec):
     units_field: ClassVar[str] = "num_latents"
     activation_meaning: ClassVar[str] = TOY_ACTIVATION_MEANING
     code_unit_name: ClassVar[str] = TOY_CODE_UNIT
+    citation: ClassVar[str] = TOY_CITATION
 
     num_latents: int
     """L: latents (the units of the code)."""

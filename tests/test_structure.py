@@ -1,0 +1,314 @@
+"""The layout rules that keep a layer kind in its own room (issue 20).
+
+1. No kind name outside its room. The names of every kind in `LAYER_KINDS` (its registry key, its spec and layer
+   class names, the stem of the module that defines them) may appear in code only in that module, the registry
+   (modeling/sparse_layers.py), the bundle's entry files (modeling_expertize.py, configuration_expertize.py) and the
+   package's exports (modeling/__init__.py). conversion/ asks the spec and the layer (modeling/sparse_base.py's
+   contract) and never names a kind. "In code" means identifiers and string literals (f-string parts included),
+   read with `ast`; comments and docstrings (any bare string statement: module, class, function and attribute
+   docstrings) are prose and may name kinds, as may conversion/'s documentation and data files (*.md, *.jsonl).
+   A kind name inside a longer string counts where it stands as a word of its own (`'mxd'`, "moe_x layer", "a
+   transcoder's"); inside a longer name ("gpt2-mxd-l8", "match_transcoder") it does not.
+2. The remote-code loader sees every kind. transformers copies an entry file and, recursively, the files it imports
+   as `from .module import ...` (single dot, flat: `dynamic_module_utils.get_relative_imports`); a module behind
+   `LAYER_KINDS` must be such a direct import of both entry files, so that either file alone brings every kind.
+
+Each rule is also run on a deliberately broken copy of the tree (or a registry with the toy kind in it), where it
+must fail naming the file and line, so that neither can pass by reading nothing.
+"""
+
+import ast
+import dataclasses
+import re
+import shutil
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import pytest
+from transformers.dynamic_module_utils import get_relative_imports
+
+from expertize.modeling.sparse_layers import LAYER_KINDS
+from tests.toy_kind import TOY_KIND, toy_kind_registered
+
+REPO = Path(__file__).resolve().parents[1]
+MODELING = REPO / "modeling"
+CONVERSION = REPO / "conversion"
+ENTRY_FILES = ("modeling_expertize.py", "configuration_expertize.py")
+SHARED_FILES = ("sparse_layers.py", "__init__.py", *ENTRY_FILES)
+"""modeling/ files that may name every kind: the registry, the package's exports and the bundle's entry files."""
+CODE_SUFFIXES = (".html", ".js", ".yaml", ".yml", ".jinja")
+"""Non-Python files of conversion/ read as code (whole-word matches, no prose exemption)."""
+
+# conversion/ uses that are not a switch on the kind, each with why it stays. The rule fails when one of these no
+# longer occurs, so the list cannot outlive its reason.
+ALLOWED: dict[tuple[str, str, str], str] = {
+    # `layer.match_transcoder` (a recipe field) sizes any kind to the parameter count of a TopK transcoder of F·d_in
+    # latents: the transcoder is the recipe's unit of measure (the MxD paper's protocol), not a branch on the kind.
+    ("conversion/recipe/layer_config.py", "transcoder", "text"): "match_transcoder's messages say what it matches",
+    ("conversion/recipe/layer_spec.py", "transcoder", "identifier"): "imports the measuring stick's spec",
+    ("conversion/recipe/layer_spec.py", "TranscoderSpec", "identifier"): "counts the matched transcoder's parameters",
+    ("conversion/recipe/layer_spec.py", "transcoder", "text"): "match_transcoder's messages say what it matches",
+    ("conversion/recipe/param_match.py", "transcoder", "identifier"): "the measuring stick (as layer_spec.py)",
+    ("conversion/recipe/param_match.py", "TranscoderSpec", "identifier"): "the measuring stick (as layer_spec.py)",
+    ("conversion/recipe/param_match.py", "transcoder", "text"): "its message names the matched transcoder",
+    # param_match.mxd_experts_for_transcoder reproduces the MxD paper's Table 2 (tests/test_layers.py pins it); the
+    # recipe itself reaches MxD's conventions through MxdSpec.matched_size like any kind's.
+    ("conversion/recipe/param_match.py", "mxd", "identifier"): "the MxD paper's Table 2 reproduction",
+    ("conversion/recipe/param_match.py", "MxdSpec", "identifier"): "the MxD paper's Table 2 reproduction",
+}
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Mention:
+    path: str
+    """Relative to the tree's root, with forward slashes."""
+    line: int
+    name: str
+    form: str
+    """"identifier", "string" (a literal that is the name) or "text" (the name as a word in a longer literal)."""
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.form} {self.name!r}"
+
+
+def kind_vocabulary(kinds: Mapping[str, tuple[type, type]]) -> dict[str, set[str]]:
+    """Every name of every registered kind -> the module stems that own it (where it may appear freely)."""
+    owners: dict[str, set[str]] = {}
+    for kind, classes in kinds.items():
+        stems = {cls.__module__.rpartition(".")[2] for cls in classes}
+        names = {kind, *(cls.__name__ for cls in classes), *stems}
+        for name in names:
+            owners.setdefault(name, set()).update(stems)
+    owners.pop("sparse_base", None)  # a kind whose class lives in the shared base names no module of its own
+    return owners
+
+
+def _word_pattern(words: Iterable[str]) -> re.Pattern:
+    # A word of its own: not inside a longer identifier or a hyphenated name.
+    alternatives = "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True))
+    return re.compile(rf"(?<![\w-])({alternatives})(?![\w-])")
+
+
+def _identifiers(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Name):
+        return [node.id]
+    if isinstance(node, ast.Attribute):
+        return [node.attr]
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [node.name]
+    if isinstance(node, ast.arg):
+        return [node.arg]
+    if isinstance(node, ast.keyword) and node.arg:
+        return [node.arg]
+    if isinstance(node, ast.alias):
+        return node.name.split(".") + ([node.asname] if node.asname else [])
+    if isinstance(node, ast.ImportFrom) and node.module:
+        return node.module.split(".")
+    return []
+
+
+def python_mentions(source: str, path: str, words: set[str]) -> list[Mention]:
+    """Kind names in the identifiers and non-docstring string literals of one Python source."""
+    tree = ast.parse(source)
+    prose = {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+    }
+    pattern = _word_pattern(words)
+    found = []
+    for node in ast.walk(tree):
+        found += [Mention(path, node.lineno, name, "identifier") for name in _identifiers(node) if name in words]
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+            if node.value.strip() in words:
+                found.append(Mention(path, node.lineno, node.value.strip(), "string"))
+            else:
+                found += [Mention(path, node.lineno, m, "text") for m in pattern.findall(node.value)]
+    return found
+
+
+def text_mentions(text: str, path: str, words: set[str]) -> list[Mention]:
+    pattern = _word_pattern(words)
+    return [
+        Mention(path, number, match, "text")
+        for number, line in enumerate(text.splitlines(), 1)
+        for match in pattern.findall(line)
+    ]
+
+
+def tree_mentions(root: Path, folder: str, words: set[str]) -> list[Mention]:
+    """Kind names in the code files under root/folder (paths relative to root)."""
+    found = []
+    for file in sorted((root / folder).rglob("*")):
+        if not file.is_file() or "__pycache__" in file.parts:
+            continue
+        rel = file.relative_to(root).as_posix()
+        if file.suffix == ".py":
+            found += python_mentions(file.read_text(encoding="utf-8"), rel, words)
+        elif file.suffix in CODE_SUFFIXES:
+            found += text_mentions(file.read_text(encoding="utf-8"), rel, words)
+    return sorted(found)
+
+
+def misplaced_mentions(root: Path, kinds: Mapping[str, tuple[type, type]]) -> list[Mention]:
+    """Kind names where they do not belong: anywhere in conversion/ (less `ALLOWED`), and in modeling/ outside the
+    owning module and the shared files."""
+    owners = kind_vocabulary(kinds)
+    words = set(owners)
+    conversion = [m for m in tree_mentions(root, "conversion", words) if (m.path, m.name, m.form) not in ALLOWED]
+    modeling = [
+        m
+        for m in tree_mentions(root, "modeling", words)
+        if Path(m.path).name not in SHARED_FILES and Path(m.path).stem not in owners[m.name]
+    ]
+    return conversion + modeling
+
+
+def _copy_tree(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    for folder in ("conversion", "modeling"):
+        shutil.copytree(REPO / folder, root / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+def _append(file: Path, text: str) -> int:
+    """Append `text` (one or more lines) to `file`; returns the line number of its first line."""
+    source = file.read_text(encoding="utf-8")
+    if not source.endswith("\n"):
+        source += "\n"
+    file.write_text(source + text, encoding="utf-8")
+    return source.count("\n") + 1
+
+
+# -- rule 1: no kind name outside its room -----------------------------------------------------------------------
+
+
+def test_no_kind_name_outside_its_own_files():
+    misplaced = misplaced_mentions(REPO, LAYER_KINDS)
+    assert not misplaced, (
+        "kind names outside their kind's own file (ask the spec / layer instead: modeling/sparse_base.py):\n"
+        + "\n".join(map(str, misplaced))
+    )
+
+
+def test_every_allowed_mention_still_occurs():
+    """An ALLOWED entry whose use is gone must leave the list (it would otherwise excuse a future switch)."""
+    found = {(m.path, m.name, m.form) for m in tree_mentions(REPO, "conversion", set(kind_vocabulary(LAYER_KINDS)))}
+    stale = sorted(set(ALLOWED) - found)
+    assert not stale, f"ALLOWED entries that no longer occur (remove them): {stale}"
+
+
+def test_a_kind_switch_in_a_broken_copy_is_named_by_file_and_line(tmp_path):
+    root = _copy_tree(tmp_path)
+    assert misplaced_mentions(root, LAYER_KINDS) == misplaced_mentions(REPO, LAYER_KINDS)  # the copy is faithful
+    routing = root / "conversion" / "inspection" / "routing.py"
+    first = _append(routing, (
+        'ROUTER_KINDS = ("moe_x", "routed_neurons")\n'  # the switch issue 20 removed
+        "from expertize.modeling.mxd import MxdLayer\n"
+        'HINT = f"a {len(ROUTER_KINDS)} skip_transcoder layer"\n'
+        "# mumoe_cp in a comment is prose\n"
+        '"""monet_hd in a bare string (a docstring) is prose"""\n'
+        'FOLDER = "runs/gpt2-mxd-l8"\n'  # a kind inside a longer name is not one
+        "match_transcoder = 1\n"
+    ))
+    (root / "conversion" / "inspection" / "explorer.html").write_text('<script>if (l.kind === "mumoe_tr") {}</script>')
+    # modeling/: a kind file that names another kind (a sideways import) is out of its room too
+    mxd = root / "modeling" / "mxd.py"
+    sideways = _append(mxd, "from .transcoder import TranscoderLayer\n")
+
+    before = {str(m) for m in misplaced_mentions(REPO, LAYER_KINDS)}
+    found = {str(m) for m in misplaced_mentions(root, LAYER_KINDS)} - before
+    path = "conversion/inspection/routing.py"
+    assert found == {
+        f"{path}:{first}: string 'moe_x'",
+        f"{path}:{first}: string 'routed_neurons'",
+        f"{path}:{first + 1}: identifier 'mxd'",
+        f"{path}:{first + 1}: identifier 'MxdLayer'",
+        f"{path}:{first + 2}: text 'skip_transcoder'",
+        "conversion/inspection/explorer.html:1: text 'mumoe_tr'",
+        f"modeling/mxd.py:{sideways}: identifier 'transcoder'",
+        f"modeling/mxd.py:{sideways}: identifier 'TranscoderLayer'",
+    }
+
+
+def test_the_vocabulary_is_the_registry_so_a_new_kind_is_covered(tmp_path):
+    """The names come from LAYER_KINDS at run time: a kind registered later (the toy kind) is checked as well."""
+    root = _copy_tree(tmp_path)
+    line = _append(root / "conversion" / "inspection" / "report.py", f'MEANINGS = {{"{TOY_KIND}": "..."}}\n')
+    assert not any(m.name == TOY_KIND for m in misplaced_mentions(root, LAYER_KINDS))
+    with toy_kind_registered():
+        found = [m for m in misplaced_mentions(root, LAYER_KINDS) if m.name == TOY_KIND]
+        vocabulary = kind_vocabulary(LAYER_KINDS)
+    assert [str(m) for m in found] == [f"conversion/inspection/report.py:{line}: string '{TOY_KIND}'"]
+    assert vocabulary[TOY_KIND] == vocabulary["ToyLayer"] == {"toy_kind"}  # its own file is tests/toy_kind.py
+
+
+# -- rule 2: the entry files import every kind module directly ------------------------------------------------------
+
+
+def kind_modules(kinds: Mapping[str, tuple[type, type]]) -> dict[str, set[str]]:
+    """Module file of each registered kind's classes -> the kinds behind it."""
+    modules: dict[str, set[str]] = {}
+    for kind, classes in kinds.items():
+        for cls in classes:
+            modules.setdefault(sys.modules[cls.__module__].__file__, set()).add(kind)
+    return modules
+
+
+def entry_import_problems(modeling_dir: Path, kinds: Mapping[str, tuple[type, type]]) -> list[str]:
+    """What keeps the remote-code loader from copying a kind's module with either entry file of `modeling_dir`."""
+    problems = []
+    imported = {}
+    for entry in ENTRY_FILES:
+        file = modeling_dir / entry
+        loader = set(get_relative_imports(file))  # what transformers follows from this file
+        tree = ast.parse(file.read_text(encoding="utf-8"))
+        direct = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module}
+        imported[entry] = loader & direct
+    for module_file, names in sorted(kind_modules(kinds).items()):
+        module_file = Path(module_file)
+        stem, label = module_file.stem, f"{module_file.name} (kinds {', '.join(sorted(names))})"
+        if module_file.resolve().parent != MODELING.resolve():
+            problems.append(f"{label}: {module_file} is not a file of the bundle folder {MODELING}; a kind lives in "
+                            "modeling/ beside the entry files")
+            continue
+        for entry in ENTRY_FILES:
+            if stem not in imported[entry]:
+                problems.append(f"{label}: modeling/{entry} lacks `from .{stem} import ...` (a single-dot relative "
+                                "import), so the remote-code loader would not copy it")
+    return problems
+
+
+def test_every_kind_module_is_a_direct_relative_import_of_both_entry_files():
+    problems = entry_import_problems(MODELING, LAYER_KINDS)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    "entry, old, new",
+    [
+        ("configuration_expertize.py", "from .mumoe import MuMoESpec  # noqa: F401\n", ""),  # dropped
+        ("modeling_expertize.py", "from .mxd import MxdLayer", "from expertize.modeling.mxd import MxdLayer"),
+        ("modeling_expertize.py", "from .transcoder import TranscoderLayer", "from ..x.transcoder import X"),
+    ],
+    ids=["dropped", "absolute", "two-dot"],
+)
+def test_a_broken_entry_import_is_named(tmp_path, entry, old, new):
+    modeling = tmp_path / "modeling"
+    shutil.copytree(MODELING, modeling, ignore=shutil.ignore_patterns("__pycache__"))
+    assert entry_import_problems(modeling, LAYER_KINDS) == []
+    source = (modeling / entry).read_text(encoding="utf-8")
+    assert source.count(old) == 1
+    (modeling / entry).write_text(source.replace(old, new), encoding="utf-8")
+    stem = old.split()[1].lstrip(".")
+    problems = entry_import_problems(modeling, LAYER_KINDS)
+    assert len(problems) == 1 and problems[0].startswith(f"{stem}.py") and f"modeling/{entry} lacks" in problems[0]
+
+
+def test_a_kind_outside_the_bundle_folder_is_named():
+    """A registered kind whose module is not in modeling/ (the toy kind lives in tests/) cannot travel with a model."""
+    with toy_kind_registered():
+        problems = entry_import_problems(MODELING, LAYER_KINDS)
+    assert len(problems) == 1 and problems[0].startswith(f"toy_kind.py (kinds {TOY_KIND})")
+    assert "is not a file of the bundle folder" in problems[0]
