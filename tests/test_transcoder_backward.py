@@ -65,7 +65,8 @@ def edge_rows(layer: TranscoderLayer) -> torch.Tensor:
         layer.W_enc[:, 0] = layer.W_enc[:, 0].abs() + 0.5  # every latent's pre falls as x_0 falls
     negative = torch.zeros(I)
     negative[0] = -100.0
-    rows = torch.cat([torch.zeros(1, I), negative[None], torch.randn(3, I, generator=torch.Generator().manual_seed(2))])
+    random = torch.randn(3, I, generator=torch.Generator().manual_seed(2))
+    rows = torch.cat([torch.zeros(1, I), negative[None], random])
     return rows.to(layer.W_enc.dtype)
 
 
