@@ -95,12 +95,18 @@ def test_gradcheck_in_float64():
     positive); the TopK boundary and the ReLU kink are kept farther than gradcheck's step from every input."""
     layer = make_layer(selection_bias=True, dtype=torch.float64, seed=4)
     x = torch.randn(5, I, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    x[0] = -0.5 * layer.W_enc[0].detach() / layer.W_enc[0].detach().norm()  # lower the first row's scores
     with torch.no_grad():
+        layer.W_enc[:, 0] = layer.W_enc[:, 0].abs() + 0.5
+        # Row 0 = (-a, 0, ...): latent l is positive iff a < b_l / W_enc[l, 0]; a between the 2nd and 3rd largest
+        # of these thresholds leaves exactly 2 positive.
+        thresholds = (layer.b_enc / layer.W_enc[:, 0]).sort(descending=True).values
+        x[0] = 0.0
+        x[0, 0] = -(thresholds[1] + thresholds[2]) / 2
         pre = F.linear(x, layer.W_enc, layer.b_enc)  # (T, L)
         score = torch.where(pre > 0, pre + layer.b_select, float("-inf")).sort(-1, descending=True).values
-    gaps = score[:, K - 1] - score[:, K]
-    assert (gaps.nan_to_num(posinf=1.0) > 1e-3).all() and (pre.abs() > 1e-3).all()
+    assert (pre[0] > 0).sum() == 2 < K
+    gaps = score[:, K - 1] - score[:, K]  # inf: the K-th is the last positive; nan: both are not positive
+    assert (gaps.nan_to_num(nan=1.0, posinf=1.0) > 1e-3).all() and (pre.abs() > 1e-3).all()
     names = [n for n, _ in layer.named_parameters()]
 
     def step(x, *params):
