@@ -20,7 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 import expertize.conversion.upcycle as upcycle_module
-from expertize.conversion.data.cache import ActivationCache, cached_batches, capture_activations
+from expertize.conversion.capture import capture_activations
+from expertize.conversion.data.cache import ActivationCache, cached_batches
 from expertize.conversion.preflight import plan_run
 from expertize.conversion.recipe import load_recipe
 

@@ -313,7 +313,8 @@ def main() -> int:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from expertize.conversion.data.text import DataConfig, load_eval_sequences
+    from expertize.conversion.data.text import load_eval_sequences
+    from expertize.conversion.recipe.data import DataConfig
     from expertize.conversion.surgery.splice import load_base_model, load_expertize_model
 
     hf_logging.disable_progress_bar()

@@ -37,7 +37,7 @@ batch 1,024 tokens, cosine decay to 0 without warm-up, one pass over the trainin
 same seed and data order for both students. Learning rate: each student (per model, inputs and A) is trained with every
 rate of `--lrs` (default 3e-3, 1e-2, 3e-2) and keeps the one with the lower FVU on a validation split (8,192 held-out
 tokens of other documents / fresh Gaussian samples, disjoint from the test tokens); the paper picks the best of
-{1e-3, 3e-4, 1e-4} on its test split, but trains ~2,000x longer. FVU (`expertize.conversion.evaluation.metrics.fvu`) on held-out
+{1e-3, 3e-4, 1e-4} on its test split, but trains ~2,000x longer. FVU (`expertize.conversion.training.losses.fvu`) on held-out
 test tokens: Σ‖ŷ − y‖² / Σ‖y − ȳ‖², as the paper's test MSE / output variance. Ratio = FVU(MoE) / FVU(dense): < 1
 means the MoE wins.
 
@@ -231,7 +231,7 @@ def train_student(student: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: floa
                   seed: int, epochs: int = 1) -> None:
     """`epochs` passes over (x, y), each in its own seeded order: Adam, MSE, cosine decay to 0 over all steps, b_dec =
     mean output of the first batch."""
-    from expertize.conversion.evaluation.metrics import LOSSES
+    from expertize.conversion.training.losses import LOSSES
     from expertize.conversion.recipe import TrainConfig
     from expertize.conversion.training.engine import lr_lambda
 
@@ -260,7 +260,7 @@ def train_student(student: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: floa
 
 @torch.no_grad()
 def held_out_fvu(student: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = 8192) -> float:
-    from expertize.conversion.evaluation.metrics import fvu
+    from expertize.conversion.training.losses import fvu
 
     return float(fvu(torch.cat([student(x[i : i + chunk]) for i in range(0, x.shape[0], chunk)]), y))
 
@@ -301,7 +301,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from expertize.conversion.data.capture import decoder_blocks
-    from expertize.conversion.data.text import DataConfig
+    from expertize.conversion.recipe.data import DataConfig
     from expertize.conversion.surgery.splice import load_base_model
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging

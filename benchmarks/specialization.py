@@ -183,7 +183,7 @@ def build_tree(args, base: str, kinds: list[str], corpus: Path, out_dir: Path, s
 
 def capture_once(tree: dict, folder: Path) -> Path:
     """The recipe's activation cache (`expertize capture`), written once and reused by every later run."""
-    from expertize.conversion.data.cache import capture_activations
+    from expertize.conversion.capture import capture_activations
     from expertize.conversion.recipe import recipe_from_dict
 
     if not (folder / "cache.json").is_file():

@@ -7,7 +7,7 @@
     expertize push MODEL_DIR --repo-id U/N    upload to the Hugging Face Hub              (conversion/publishing/)
     expertize inspect MODEL_DIR --corpus N=P  what every unit responds to (JSON + HTML)   (conversion/inspection/)
     expertize specialize MODEL_DIR ...        domain masking, probing, steering           (conversion/specialization/)
-    expertize capture RECIPE --output DIR     the activation cache                        (conversion/data/cache.py)
+    expertize capture RECIPE --output DIR     the activation cache                        (conversion/capture.py)
 
 Heavy imports (torch, transformers, lm_eval) happen inside the subcommands, so `--help` stays fast.
 """
@@ -320,7 +320,7 @@ def _specialize_flags(sp) -> None:
 
 
 def _capture(args: argparse.Namespace) -> int:
-    from .data.cache import capture_activations
+    from .capture import capture_activations
     from .progress import quiet_library_progress
     from .recipe import load_recipe
 

@@ -147,7 +147,7 @@ def test_every_rank_gets_the_last_step_when_the_sequences_do_not_divide(world):
 def test_the_train_budget_on_several_processes_is_whole_stream_sequences():
     """`stream_train_tokens`: the one rule preflight checks the corpus against and the live capture reads."""
     from expertize.conversion.data.text import stream_train_tokens
-    from expertize.conversion.data.text import DataConfig
+    from expertize.conversion.recipe.data import DataConfig
 
     cfg = DataConfig(source="hub", name="x", train_tokens=63 * T - 1, context_length=T)
     assert stream_train_tokens(cfg, 1) == 63 * T - 1  # one process: the budget as written

@@ -11,9 +11,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from expertize.conversion.cli import main as cli_main
+from expertize.conversion.capture import capture_activations
 from expertize.conversion.data.cache import (
     CACHE_MANIFEST, ActivationCache, CacheError, CacheMismatch, CachedActivationBatches, cached_batches,
-    capture_activations,
 )
 from expertize.conversion.data.capture import MlpCapture
 from expertize.conversion.recipe import recipe_from_dict

@@ -243,7 +243,8 @@ def test_counts_and_windows_are_refused_by_the_parser_with_the_flag_named(capsys
 
 
 def test_capture_refuses_a_non_positive_shard_size_from_python_too(tiny_run):
-    from expertize.conversion.data.cache import CacheError, capture_activations
+    from expertize.conversion.capture import capture_activations
+    from expertize.conversion.data.cache import CacheError
     from expertize.conversion.recipe import recipe_from_dict
 
     _, tree = tiny_run

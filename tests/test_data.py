@@ -15,7 +15,6 @@ from transformers import PreTrainedTokenizerFast
 from expertize.conversion.data.activations import ActivationBatches
 from expertize.conversion.data.check import check_data
 from expertize.conversion.data.text import (
-    DataConfig,
     DataError,
     batch_sequences,
     document_in_eval,
@@ -25,8 +24,8 @@ from expertize.conversion.data.text import (
     pack_sequences,
     shuffle_buffered,
     split_documents,
-    token_budget_to_sequences,
 )
+from expertize.conversion.recipe.data import DataConfig, token_budget_to_sequences
 from expertize.conversion.errors import ExpertizeError
 
 NUM_DOCS = 200

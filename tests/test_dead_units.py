@@ -17,9 +17,10 @@ import torch
 
 from expertize.conversion.data.activations import ActivationBatches
 from expertize.conversion.data.capture import excluded_token_ids, kept_positions
-from expertize.conversion.data.text import DataConfig, iter_sequences, load_eval_sequences
+from expertize.conversion.data.text import iter_sequences, load_eval_sequences
+from expertize.conversion.recipe.data import DataConfig
 from expertize.conversion.evaluation.evaluate import evaluate_sparse_layers
-from expertize.conversion.evaluation.metrics import LOSSES
+from expertize.conversion.training.losses import LOSSES
 from expertize.conversion.recipe import EvalConfig, TrainConfig
 from expertize.conversion.training.auxk import DeadUnitTracker, auto_k_aux, auxk_loss, fired_units
 from expertize.conversion.training.device import make_accelerator

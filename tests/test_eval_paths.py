@@ -9,7 +9,8 @@ import torch
 
 from expertize.conversion.data.check import check_data
 from expertize.conversion.data.documents import DataError
-from expertize.conversion.data.text import DataConfig, load_eval_sequences, pack_sequences, split_documents
+from expertize.conversion.data.text import load_eval_sequences, pack_sequences, split_documents
+from expertize.conversion.recipe.data import DataConfig
 from tests.conftest import tiny_base_model, tiny_tokenizer, write_corpus
 
 
@@ -59,7 +60,7 @@ def test_bad_held_out_files_are_refused_naming_the_key(tmp_path):
 
 
 def test_upcycle_measures_on_the_held_out_file(tiny_run):
-    from expertize.conversion.evaluation.metrics import next_token_ce
+    from expertize.conversion.training.losses import next_token_ce
     from expertize.conversion.recipe import recipe_from_dict
     from expertize.conversion.upcycle import upcycle
 

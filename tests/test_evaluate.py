@@ -9,9 +9,9 @@ from torch import nn
 
 from expertize.conversion.data.capture import MlpCapture, decoder_blocks
 from expertize.conversion.evaluation.evaluate import evaluate_sparse_layers, generation_match_curve
-from expertize.conversion.evaluation.metrics import (
+from expertize.conversion.evaluation.metrics import ReconstructionStats
+from expertize.conversion.training.losses import (
     LOSSES,
-    ReconstructionStats,
     fvu,
     kl_base_to_other,
     mse,

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from expertize.conversion.data.text import load_eval_sequences
 from expertize.conversion.surgery.families import attention_projections, conv1d_attention
 from expertize.conversion.training.heal import Healer, prepare_for_healing
-from expertize.conversion.evaluation.metrics import next_token_ce
+from expertize.conversion.training.losses import next_token_ce
 from expertize.conversion.recipe import HealConfig, recipe_from_dict
 from expertize.conversion.surgery.splice import load_expertize_model, splice
 from expertize.conversion.upcycle import upcycle

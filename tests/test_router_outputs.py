@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
-from expertize.conversion.evaluation.metrics import next_token_ce
+from expertize.conversion.training.losses import next_token_ce
 from expertize.conversion.recipe import recipe_from_dict
 from expertize.conversion.surgery.splice import load_expertize_model, splice
 from expertize.conversion.upcycle import upcycle

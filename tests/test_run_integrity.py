@@ -100,7 +100,7 @@ def test_a_second_run_on_a_folder_in_use_is_refused_naming_the_holder(tiny_run, 
 def test_a_damaged_cache_shard_is_named_not_reported_as_divergence(tiny_run, capsys):
     """4 KB of a shard overwritten in place (same size): the run stops naming the shard (exit 1), never "distil
     diverged ... Lower train.lr" (before) or a silent run on damaged pairs; a truncated shard is refused up front."""
-    from expertize.conversion.data.cache import capture_activations
+    from expertize.conversion.capture import capture_activations
 
     tmp_path, tree = tiny_run
     tree["eval"].update(generation_prompts=0, histogram=False)
@@ -132,7 +132,8 @@ def test_every_command_reads_a_jsonl_corpus_as_json_lines(tmp_path):
     """A .jsonl file is parsed as JSON lines with a text field by upcycle's data section (default source: text),
     `expertize tasks`, `inspect` and `specialize` alike. Before: upcycle trained on the raw {"text": ...} lines and
     `tasks` made items of JSON syntax, while inspect and specialize parsed it."""
-    from expertize.conversion.data.text import DataConfig, iter_documents
+    from expertize.conversion.data.text import iter_documents
+    from expertize.conversion.recipe.data import DataConfig
     from expertize.conversion.harness.offline_tasks import read_documents
     from expertize.conversion.inspection.corpora import _data_config
     from expertize.conversion.specialization.splits import read_documents as specialize_documents

@@ -250,7 +250,8 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
 
 
 def test_packing_keeps_each_tokens_document():
-    from expertize.conversion.data.text import DataConfig, pack_sequences
+    from expertize.conversion.data.text import pack_sequences
+    from expertize.conversion.recipe.data import DataConfig
 
     tok = tiny_tokenizer()
     gen = torch.Generator().manual_seed(4)

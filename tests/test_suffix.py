@@ -8,7 +8,7 @@ import torch
 from expertize.conversion.specialization.conditions import Condition, condition_ce
 from expertize.conversion.specialization.errors import SpecializationError
 from expertize.conversion.specialization.suffix import SuffixRunner
-from expertize.conversion.evaluation.metrics import next_token_ce
+from expertize.conversion.training.losses import next_token_ce
 from expertize.conversion.surgery.splice import splice
 from tests.conftest import FAMILY_NAMES, VOCAB, tiny_base_model
 from tests.test_inspect import SPECS, hand_set

@@ -5,7 +5,7 @@ EventAccumulator; a tracker whose package is missing fails before any step, nami
 import pytest
 import torch
 
-from expertize.conversion.data.text import DataConfig
+from expertize.conversion.recipe.data import DataConfig
 from expertize.conversion.errors import ExpertizeError
 from expertize.conversion.recipe import HealConfig, TrainConfig
 from expertize.conversion.surgery.splice import splice

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from expertize.conversion.data.text import DataConfig
+from expertize.conversion.recipe.data import DataConfig
 from expertize.conversion.errors import ExpertizeError, RunFailed
 from expertize.conversion.recipe import HealConfig, TrainConfig
 from expertize.conversion.surgery.splice import splice
@@ -213,7 +213,7 @@ def test_distillation_matches_the_reference_loop_bit_for_bit(tmp_path):
 
     # The loop as it stood before the engine (conversion/train.py): b_dec from the first batch, then per step
     # forward -> nmse -> backward -> before hooks -> clip -> AdamW -> schedule -> zero grads -> after hooks.
-    from expertize.conversion.evaluation.metrics import LOSSES
+    from expertize.conversion.training.losses import LOSSES
 
     params = [p for _, layer in sorted(reference.items()) for p in layer.parameters()]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)

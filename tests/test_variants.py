@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from expertize.conversion.data.cache import capture_activations
+from expertize.conversion.capture import capture_activations
 from expertize.conversion.errors import ExpertizeError, RunFailed
 from expertize.conversion.publishing.card import format_number
 from expertize.conversion.publishing.run_folder import RunFolderTaken

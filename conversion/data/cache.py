@@ -1,6 +1,7 @@
-"""The activation cache: capture the target MLPs' (input, output) pairs once, train many runs from disk.
+"""The activation cache's format: the target MLPs' (input, output) pairs captured once, many runs trained from disk.
 
     expertize capture RECIPE --output DIR      ->  DIR/cache.json + DIR/shard-00000.safetensors, ...
+                                                   (the command: conversion/capture.py; its shards and manifest: here)
     data: {activation_cache: DIR}              ->  `upcycle` reads the pairs instead of running the base model
 
 What is stored: the train stream of the recipe's data section (`iter_sequences(data, tokenizer, "train")`, the same
@@ -35,10 +36,8 @@ import bisect
 import dataclasses
 import hashlib
 import json
-import math
 import os
-import shutil
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -49,12 +48,13 @@ from ..errors import ExpertizeError, RunFailed
 from .activations import ActivationBatches, Batch, to_device
 from .capture import kept_positions
 from .documents import file_format
-from .text import resolve_paths, stream_sequences, token_budget_to_sequences
+from ..recipe.data import token_budget_to_sequences
+from .text import resolve_paths, stream_sequences
 
 __all__ = [
     "CACHE_MANIFEST", "STORAGE_DTYPES", "ActivationCache", "CacheCorrupted", "CacheError", "CacheMismatch",
     "CachedActivationBatches",
-    "cached_batches", "capture_activations", "open_matching_cache",
+    "ShardWriter", "cache_manifest", "cached_batches", "open_matching_cache",
 ]
 
 CACHE_MANIFEST = "cache.json"
@@ -68,8 +68,6 @@ NOT_COMPARED = ("paths", "eval_paths", "train_tokens", "eval_tokens", "exclude_s
 train_tokens as coverage; eval_tokens does not touch the train stream, excluded positions are recomputed from the
 stored token ids, the cache folder names itself, and streaming changes how a hub dataset is read, not what it holds.
 Every other (and any future) data field must be equal."""
-
-Log = Callable[[str], None]
 
 
 class CacheError(ExpertizeError):
@@ -121,7 +119,7 @@ def _corpus_file(path: str, source: str) -> dict[str, Any]:
 # Writing
 
 
-class _ShardWriter:
+class ShardWriter:
     """Collects captured batches on the CPU and writes them as shards of `per_shard` whole sequences."""
 
     def __init__(self, folder: Path, layers: list[int], dtype: torch.dtype, per_shard: int) -> None:
@@ -178,105 +176,34 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def capture_activations(
-    recipe, output: str | os.PathLike | None = None, *, dtype: str | None = None, shard_tokens: int | None = None,
-    log: Log | None = None, progress: bool = False,
-) -> Path:
-    """Capture the recipe's train stream at its target layers into the cache folder `output` (default
-    data.activation_cache), stored as `dtype` (default: the base model's, recipe.dtype); returns the folder.
-    `progress`: a bar over the sequences (as upcycle's over steps) instead of a `log` line per shard.
+def cache_manifest(recipe, layers: list[int], *, d_model: int, storage_dtype: str, device, writer: ShardWriter,
+                   wanted: int) -> dict[str, Any]:
+    """cache.json of a finished capture: what produced the pairs (compared by `ActivationCache.mismatches`), the
+    shards `writer` wrote, and whether the train split ran out before the `wanted` sequences."""
+    from expertize import __version__
+    from importlib import metadata
 
-    The base model runs in recipe.dtype on train.device under no_grad, train.capture_batch_sequences sequences per
-    forward (as a live run). Shards of `shard_tokens` tokens (rounded up to whole sequences; default ~256 MiB)."""
-    from ..checks import check_output_location
-    from ..preflight import plan_run
-    from ..publishing.run_folder import write_json
-    from ..surgery.splice import load_base_model
-    from tqdm.auto import tqdm
-
-    from .capture import MlpCapture
-    from .text import batch_sequences, iter_sequences
-
-    say = log or (lambda message: None)
-    target = output if output is not None else recipe.data.activation_cache
-    if target is None:
-        raise CacheError("no cache folder: give --output DIR (or set data.activation_cache in the recipe)")
-    output = Path(target)
-    dtype = dtype or recipe.dtype
-    if dtype not in STORAGE_DTYPES:
-        raise CacheError(f"cache dtype must be one of {list(STORAGE_DTYPES)}, got {dtype!r}")
-    if output.exists():
-        raise CacheError(
-            f"{output} already exists; a cache is never overwritten: choose another --output or delete the folder"
-        )
-    if not recipe.train.distill:
-        raise CacheError("train.distill is false, so no run reads captured activations; nothing to capture")
-    if shard_tokens is not None and shard_tokens < 1:
-        raise CacheError(f"--shard-tokens must be 1 or more (tokens per shard file), got {shard_tokens}")
-    plan = plan_run(recipe)  # the recipe's checks (base, layers, corpus budget), as `upcycle` makes them
     data, t = recipe.data, recipe.data.context_length
-    wanted = token_budget_to_sequences(data.train_tokens, t)
-    storage = getattr(torch, dtype)
-    d = plan.shape.d_model  # the MLP reads and writes the residual width
-    bytes_per_token = len(plan.layer_ids) * 2 * d * storage.itemsize + 4  # x and y per layer, int32 token id
-    # The staging folder beside `output` receives every shard: writable, with room for them, before the base loads.
-    check_output_location(output, what="--output", need_bytes=bytes_per_token * wanted * t)
-    base = load_base_model(recipe.base_model, dtype=getattr(torch, recipe.dtype)).to(plan.device).eval()
-    base.requires_grad_(False)
-    per_shard = (
-        max(1, SHARD_BYTES // (bytes_per_token * t)) if shard_tokens is None else max(1, math.ceil(shard_tokens / t))
-    )
-    staging = output.parent / f".{output.name}.partial"
-    if staging.exists():  # left by a capture killed before it finished
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
-    try:
-        writer = _ShardWriter(staging, plan.layer_ids, storage, per_shard)
-        capture = MlpCapture(base, plan.layer_ids)
-        sequences = iter_sequences(data, plan.tokenizer, split="train")
-        logged = 0
-        with torch.no_grad(), tqdm(total=wanted, desc="capture", unit="seq", disable=not progress) as bar:
-            for input_ids in batch_sequences(sequences, recipe.train.capture_batch_sequences):  # (B, T)
-                writer.add(input_ids, capture(input_ids.to(plan.device)))
-                bar.update(len(input_ids))
-                if len(writer.shards) > logged:
-                    logged = len(writer.shards)
-                    bar.set_postfix_str(f"{logged} shard(s) written")
-                    if not progress:
-                        say(f"capture: {writer.sequences * t:,} / {wanted * t:,} tokens ({logged} shard(s))")
-        writer.close()
-        if not writer.sequences:
-            raise CacheError("the train split gave no sequence; add text or lower data.context_length")
-        from expertize import __version__
-        from importlib import metadata
-
-        manifest = {
-            "format": CACHE_FORMAT,
-            "expertize": __version__,
-            "packages": {name: metadata.version(name) for name in ("torch", "transformers", "safetensors")},
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "base": _base_identity(recipe),
-            "layers": plan.layer_ids,
-            "d_model": d,
-            "storage_dtype": dtype,
-            "device": str(plan.device),
-            "capture_batch_sequences": recipe.train.capture_batch_sequences,
-            "stream": _stream_identity(data),
-            "data": {k: v for k, v in dataclasses.asdict(data).items() if k != "activation_cache"},
-            "context_length": t,
-            "train_tokens": data.train_tokens,
-            "sequences": writer.sequences,
-            "tokens": writer.sequences * t,
-            "exhausted": writer.sequences < wanted,
-            "shards": writer.shards,
-        }
-        write_json(staging / CACHE_MANIFEST, manifest)  # last: a folder without it is incomplete
-        os.replace(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    say(f"capture: wrote {manifest['tokens']:,} tokens of layer(s) {plan.layer_ids} as {dtype} to {output}")
-    return output
+    return {
+        "format": CACHE_FORMAT,
+        "expertize": __version__,
+        "packages": {name: metadata.version(name) for name in ("torch", "transformers", "safetensors")},
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "base": _base_identity(recipe),
+        "layers": layers,
+        "d_model": d_model,
+        "storage_dtype": storage_dtype,
+        "device": str(device),
+        "capture_batch_sequences": recipe.train.capture_batch_sequences,
+        "stream": _stream_identity(data),
+        "data": {k: v for k, v in dataclasses.asdict(data).items() if k != "activation_cache"},
+        "context_length": t,
+        "train_tokens": data.train_tokens,
+        "sequences": writer.sequences,
+        "tokens": writer.sequences * t,
+        "exhausted": writer.sequences < wanted,
+        "shards": writer.shards,
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------

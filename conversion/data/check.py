@@ -18,8 +18,8 @@ import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from ..recipe.data import DataConfig, token_budget_to_sequences
 from .text import (
-    DataConfig,
     DataError,
     _document_tokens,
     _pack,
@@ -27,7 +27,6 @@ from .text import (
     resolve_add_bos,
     resolve_paths,
     split_documents,
-    token_budget_to_sequences,
 )
 
 __all__ = ["DataReport", "check_data"]

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ExpertizeError
 
-if TYPE_CHECKING:  # DataConfig (text.py) calls resolve_paths; only its type is needed here
-    from .text import DataConfig
+if TYPE_CHECKING:  # DataConfig (recipe/data.py) calls resolve_paths; only its type is needed here
+    from ..recipe.data import DataConfig
 
 
 class DataError(ExpertizeError, ValueError):
@@ -83,7 +83,7 @@ def corpus_config(path: str, context_length: int = 128, separator: str = "auto")
     (`file_format`); a text file's documents are lines, or blank-line blocks when `separator` is "auto" and the
     file has blocks of several lines (a play's speeches, poems) — detected from its first MiB — or as `separator`
     ("line" / "blank_line" / "file") says."""
-    from .text import DataConfig
+    from ..recipe.data import DataConfig
 
     fmt = file_format(path)
     if fmt != "text":

@@ -28,7 +28,8 @@ from expertize.modeling import SparseLayer
 
 from ..data.capture import MlpCapture, kept_positions, replaced_mlps
 from .health import code_health
-from .metrics import ReconstructionStats, kl_base_to_other, next_token_ce
+from ..training.losses import kl_base_to_other, next_token_ce
+from .metrics import ReconstructionStats
 from .plots import plot_firing_frequency, plot_match_curve
 from ..recipe import EvalConfig
 

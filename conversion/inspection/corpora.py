@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from ..data.documents import corpus_config
-from ..data.text import DataConfig, DataError, iter_documents, pack_sequences
+from ..data.text import DataError, iter_documents, pack_sequences
+from ..recipe.data import DataConfig
 from ..errors import ExpertizeError
 
 __all__ = ["InspectionError", "corpus_sequences", "parse_corpora"]

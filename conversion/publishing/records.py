@@ -12,7 +12,7 @@ import torch
 
 from expertize import __version__
 
-from ..data.text import token_budget_to_sequences
+from ..recipe.data import token_budget_to_sequences
 from ..recipe import Recipe
 from .local_paths import base_model_provenance
 

@@ -1,7 +1,8 @@
 """Recipes: the typed, strictly loaded input of `expertize upcycle RECIPE`.
 
-    schema.py       the dataclass tree (Recipe, LayerConfig, TrainConfig, HealConfig, EvalConfig; DataConfig lives in
-                    expertize.conversion.data.text)
+    schema.py       the dataclass tree (Recipe, TrainConfig, HealConfig, EvalConfig)
+    layer_config.py the layer: section (LayerConfig)
+    data.py         the data: section (DataConfig) and the token budget -> sequences rule
     loader.py       YAML files and bundled recipes by name, `--set` overrides, ${VAR} expansion, saving
     coerce.py       type checking with key paths and did-you-mean suggestions (shared by the loader and the schema)
     layer_spec.py   resolution against the base model: layer indices and the sparse layer spec of each MLP
@@ -9,8 +10,8 @@
     param_match.py  sizing a layer to a transcoder's parameter count (layer.match_transcoder)
 """
 
-from ..data.text import DataConfig
 from .coerce import RecipeError, field_docs
+from .data import DataConfig
 from .layer_spec import resolve_layer_spec, resolve_layers
 from .loader import assets_dir, bundled_recipes, load_recipe, recipe_from_dict, recipe_to_dict, save_recipe
 from .schema import EvalConfig, HealConfig, LayerConfig, Recipe, TrainConfig

@@ -3,7 +3,7 @@
     base_model: gpt2              # Recipe
     layers: [8]
     layer: {kind: mxd, k: 32, match_transcoder: 32}   # LayerConfig (layer_config.py)
-    data: {...}                   # expertize.conversion.data.text.DataConfig
+    data: {...}                   # DataConfig (data.py)
     train: {...}                  # TrainConfig
     heal: {...}                   # HealConfig (optional)
     eval: {...}                   # EvalConfig
@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from ..data.text import DataConfig, token_budget_to_sequences
+from .data import DataConfig, token_budget_to_sequences
 from .layer_config import LayerConfig
 from .variants import VariantConfig, check_variants
 from .coerce import RecipeError, check_field_types

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from ..evaluation.metrics import next_token_ce
+from ..training.losses import next_token_ce
 from .errors import SpecializationError
 
 __all__ = ["CodePooler", "down_projection", "mean_ce", "pooled_codes", "pooled_dense"]

@@ -18,7 +18,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from ..data.text import DataConfig, DataError, iter_documents
+from ..data.text import DataError, iter_documents
+from ..recipe.data import DataConfig
 from ..inspection.corpora import _data_config
 from .errors import SpecializationError
 

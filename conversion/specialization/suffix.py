@@ -25,7 +25,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..evaluation.metrics import next_token_ce
+from ..training.losses import next_token_ce
 from ..inspection.effects import final_norm
 from ..surgery.families import decoder_blocks
 from .errors import SpecializationError

@@ -22,7 +22,7 @@ from torch import nn
 from expertize.modeling import SparseLayer
 
 from ..data.activations import ActivationBatches
-from ..evaluation.metrics import LOSSES
+from .losses import LOSSES
 from ..recipe import TrainConfig
 from .auxk import DeadUnitTracker, auto_k_aux, auxk_loss, dead_window_tokens, fired_units, supports_auxk
 from .balance import SelectionBalancer, balanced

@@ -22,8 +22,9 @@ from torch import nn
 
 from expertize.modeling import SparseLayer
 
-from ..data.text import DataConfig, batch_sequences, iter_sequences, token_budget_to_sequences
-from ..evaluation.metrics import kl_base_to_other, next_token_ce
+from ..data.text import batch_sequences, iter_sequences
+from ..recipe.data import DataConfig, token_budget_to_sequences
+from .losses import kl_base_to_other, next_token_ce
 from ..errors import ExpertizeError
 from ..recipe import HealConfig
 from ..surgery.families import attention_projections, conv1d_attention
