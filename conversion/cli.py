@@ -17,7 +17,7 @@ import os
 import sys
 
 from .checks import at_least, int_list, non_negative_int, positive_float, positive_int
-from .cli_flags import Subcommand, setting_flag, settings_from
+from .cli_flags import Subcommand, layer_list, lm_eval_limit, setting_flag, settings_from
 from .errors import ExpertizeError
 
 
@@ -37,22 +37,6 @@ def _upcycle(args: argparse.Namespace) -> int:
 
 def _stderr(message: str) -> None:
     print(f"expertize: {message}", file=sys.stderr, flush=True)
-
-
-def _limit(text: str) -> int | float:
-    """--limit: an integer number of documents, or a fraction below 1 (0.1 = 10 %)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of documents or a fraction, got {text!r}") from None
-    if not 0 < value < float("inf"):  # NaN fails too
-        raise argparse.ArgumentTypeError(f"must be above 0 (documents, or a fraction such as 0.1), got {text}")
-    return int(value) if value >= 1 and value.is_integer() else value
-
-
-def _layer_list(text: str) -> tuple[int, ...]:
-    """--layers 2,3: layer indices (0 or more)."""
-    return tuple(non_negative_int(p.strip()) for p in text.split(",") if p.strip())
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -218,7 +202,7 @@ def _inspect_flags(ins) -> None:
     ins.add_argument("--prompt", help="print the units firing on each token of this text instead")
     ins.add_argument("--per-token", type=positive_int, default=5,
                      help="--prompt: units shown per token and layer (default 5)")
-    setting_flag(ins, S, "layers", type=_layer_list, help="comma-separated sparse layer indices (default: all)")
+    setting_flag(ins, S, "layers", type=layer_list, help="comma-separated sparse layer indices (default: all)")
     setting_flag(ins, S, "top_n", type=positive_int)
     setting_flag(ins, S, "left", type=non_negative_int)
     setting_flag(ins, S, "right", type=non_negative_int, help="context tokens after the peak")
@@ -371,7 +355,7 @@ def _add_eval(sub) -> None:
                       "(provenance.json, else recipe.resolved.yaml)")
     base.add_argument("--no-base", action="store_true", help="evaluate the model alone")
     ev.add_argument("--num-fewshot", type=non_negative_int, help="few-shot examples (default: each task's own)")
-    ev.add_argument("--limit", type=_limit, help="documents per task, or a fraction < 1 (smoke tests only)")
+    ev.add_argument("--limit", type=lm_eval_limit, help="documents per task, or a fraction < 1 (smoke tests only)")
     ev.add_argument("--batch-size", type=positive_int, default=8, help="requests per forward pass (default 8)")
     ev.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ev.add_argument("--seed", type=int, help="one seed for the harness's python/numpy/torch/few-shot RNGs "

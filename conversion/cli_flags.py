@@ -1,13 +1,16 @@
 """Subcommand flags generated from the settings they fill (issue 20): a flag for a field of a settings dataclass (or a
 keyword of the function it configures) takes its default, and its docstring as help, from there, so the CLI never
 re-declares a default. `Subcommand` adds such flags only when its subcommand runs or prints its help: the settings'
-modules import transformers, which `expertize --help` and the other subcommands need not load.
+modules import transformers, which `expertize --help` and the other subcommands need not load. Also the argparse
+types of flags only the CLI has (--limit, --layers).
 """
 
 import argparse
 import dataclasses
 import inspect
 from collections.abc import Callable
+
+from .checks import non_negative_int
 
 
 class Subcommand(argparse.ArgumentParser):
@@ -76,3 +79,22 @@ def settings_from(args: argparse.Namespace, owner, **given):
     """`owner`'s settings from the parsed flags of the same names (`setting_flag`), plus `given`."""
     names = {f.name for f in dataclasses.fields(owner)} - set(given)
     return owner(**{name: getattr(args, name) for name in names if hasattr(args, name)}, **given)
+
+
+# -- the types of the commands' own flags (conversion/checks.py holds those the recipe shares) -------------------------
+
+
+def lm_eval_limit(text: str) -> int | float:
+    """--limit: an integer number of documents, or a fraction below 1 (0.1 = 10 %)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of documents or a fraction, got {text!r}") from None
+    if not 0 < value < float("inf"):  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be above 0 (documents, or a fraction such as 0.1), got {text}")
+    return int(value) if value >= 1 and value.is_integer() else value
+
+
+def layer_list(text: str) -> tuple[int, ...]:
+    """--layers 2,3: layer indices (0 or more)."""
+    return tuple(non_negative_int(p.strip()) for p in text.split(",") if p.strip())
