@@ -201,7 +201,7 @@ class MxdLayer(SparseLayer):
         # = relu_topk(self.gate_logits(x), k, b_select), with a backward over the K selected gate rows only (no dense
         # (T, N) grad); pre (T, N) is kept for AuxK when it runs this step
         values, index, pre = LinearReluTopK.apply(
-            x, self.W_gate, self.b_gate, self._sample_k(self.spec.k), self.b_select
+            x, self.W_gate, self.b_gate, self._sample_k(self.spec.k), self.b_select, self._wants_pre()
         )  # (T, K) each
         self._note_selection_scale(values)
         self._keep(source, pre=pre)

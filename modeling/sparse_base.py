@@ -378,6 +378,10 @@ class SparseLayer(nn.Module):
                 self._kept = {"source": source}
             self._kept.update({name: t.detach() for name, t in tensors.items()})
 
+    def _wants_pre(self) -> bool:
+        """Whether this forward must produce the dense pre-activations (to keep them for AuxK)."""
+        return self.training and self.keep_for_auxk
+
     def _take_kept(self, source: torch.Tensor) -> dict[str, torch.Tensor]:
         """What the last training forward kept for input `source` (emptied: memory is released), or {}."""
         kept, self._kept = self._kept, {}
@@ -536,6 +540,35 @@ def relu_topk(
     return F.relu(pre.gather(-1, indices)), indices
 
 
+def biased_linear_relu_topk(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, selection_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`relu_topk(F.linear(x, weight, bias), k, selection_bias)` in fewer passes over the (T, N) scores: the bias is
+    added inside the matmul (score = pre + b), and only the units whose score could put a non-positive
+    pre-activation ahead of a positive one are masked. Same choice among the positive entries (up to the float
+    rounding of the fused add), same values; where fewer than K entries are positive, the zero-weight fillers may be
+    other units than `relu_topk`'s (they never fire). Returns (values, index), each (T, K).
+
+    Why: `relu_topk`'s where(pre > 0, pre + b, -inf) is three elementwise passes over (T, N), which cost 1.2-1.6x a
+    whole training step at small widths (benchmarks/dead_unit_overhead.py). With b >= 0 (the floor rule keeps it so,
+    most entries at 0), an unbiased unit with pre <= 0 can never outrank a positive one, so only the biased columns
+    need the mask; a negative entry anywhere (the symmetric rule), a GPU or a traced graph masks every column (one
+    compare-and-fill pass, no host synchronization on a GPU).
+    """
+    b = selection_bias.to(weight.dtype)
+    score = F.linear(x, weight, b if bias is None else bias + b)  # (T, N) = pre + b
+    b = b.to(score.dtype)  # autocast may compute the matmul in a lower precision
+    if score.is_cuda or torch.compiler.is_compiling() or bool((b < 0).any()):
+        score.masked_fill_(score <= b, float("-inf"))  # pre <= 0
+    else:
+        biased = b.nonzero().squeeze(-1)  # (A,) units whose bias is raised
+        if biased.numel():
+            columns = score.index_select(1, biased)  # (T, A)
+            score.index_copy_(1, biased, columns.masked_fill_(columns <= b[biased], float("-inf")))
+    index = score.topk(k, dim=-1, sorted=False).indices  # (T, K)
+    return F.relu(score.gather(-1, index) - b[index]), index  # ReLU(pre) at the chosen units
+
+
 class LinearReluTopK(torch.autograd.Function):
     """`relu_topk(F.linear(x, weight, bias), k, selection_bias)` with a backward that touches only the K selected
     rows of `weight`; also returns the pre-activations (T, N), detached, for AuxK to reuse.
@@ -545,20 +578,32 @@ class LinearReluTopK(torch.autograd.Function):
     backward: grad x_t = Σ_k g_tk W[idx_tk], grad W[n] = Σ_{idx_tk = n} g_tk x_t, grad b[n] = Σ_{idx_tk = n} g_tk.
     Same values as the plain ops; gradients equal theirs up to float summation order.
 
-        values, index, pre = LinearReluTopK.apply(x, weight, bias, k, selection_bias)
+        values, index, pre = LinearReluTopK.apply(x, weight, bias, k, selection_bias, need_pre)
+
+    `need_pre=False` (no AuxK this step) lets a biased choice skip the (T, N) pre-activations (`pre` is then empty).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, k, selection_bias=None):  # x (T, I), weight (N, I), bias / selection_bias (N,)
-        pre = F.linear(x, weight, bias)  # (T, N)
-        values, index = relu_topk(pre, k, selection_bias)  # (T, K) each
+    def forward(ctx, x, weight, bias, k, selection_bias=None, need_pre=True):
+        # x (T, I), weight (N, I), bias / selection_bias (N,)
+        if selection_bias is None or need_pre:
+            pre = F.linear(x, weight, bias)  # (T, N)
+            values, index = relu_topk(pre, k, selection_bias)  # (T, K) each
+        else:  # nobody reads the pre-activations this step (AuxK is not running): the cheaper biased choice
+            values, index = biased_linear_relu_topk(x, weight, bias, k, selection_bias)
+            pre = x.new_empty(0)
         ctx.save_for_backward(x, weight, index, values)
         ctx.mark_non_differentiable(index, pre)
+        # The outputs nobody differentiates (index, pre) would otherwise get a zero gradient materialized for the
+        # backward: a dense (T, N) buffer, as large as the dense backward this kernel avoids.
+        ctx.set_materialize_grads(False)
         return values, index, pre
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_values, _grad_index, _grad_pre):
+        if grad_values is None:  # the values reached no loss
+            return (None,) * len(ctx.needs_input_grad)
         x, weight, index, values = ctx.saved_tensors
         grad = torch.where(values > 0, grad_values, 0).to(weight.dtype)  # ReLU's backward, as F.relu's: (T, K)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -572,7 +617,7 @@ class LinearReluTopK(torch.autograd.Function):
             grad_x = grad_x.detach().to(x.dtype) if need_x else None
         if need_b:  # False when bias is None
             grad_b = weight.new_zeros(weight.shape[0]).index_add_(0, index.reshape(-1), grad.reshape(-1))  # (N,)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 GATHER_CHUNK_ELEMENTS = 1 << 24

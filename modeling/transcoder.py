@@ -141,7 +141,9 @@ class TranscoderLayer(SparseLayer):
         T×L×I products); the pre-activations are kept for AuxK when it runs this step."""
         source, lead = x, x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])  # (T, I)
-        values, index, pre = LinearReluTopK.apply(x, self.W_enc, self.b_enc, self.spec.k, self.b_select)  # (T, K)
+        values, index, pre = LinearReluTopK.apply(
+            x, self.W_enc, self.b_enc, self.spec.k, self.b_select, self._wants_pre()
+        )  # (T, K) each
         self._note_selection_scale(values)
         self._keep(source, pre=pre)
         return self._hook_code(index, values, lead)

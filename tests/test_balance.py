@@ -252,3 +252,46 @@ def test_a_run_built_to_collapse_warns_in_the_summary_metrics_variants_and_card(
     from expertize.conversion.upcycle import upcycle_summary
 
     assert "WARNING layer 1 code collapsed: mean L0" in upcycle_summary(run / "collapsed")
+
+
+@pytest.mark.parametrize("case", ["floor", "signed", "few_positive"])
+def test_biased_choice_without_pre_equals_relu_topk(case):
+    # The cheaper path (`need_pre=False`: no AuxK this step) chooses the same positive units with the same values as
+    # relu_topk over the materialized pre-activations, and its gradients are the same.
+    from expertize.modeling.sparse_base import LinearReluTopK, relu_topk
+
+    torch.manual_seed(0)
+    T, I, N, K = 64, 16, 96, 8
+    x = torch.randn(T, I, dtype=torch.float64)
+    weight = torch.randn(N, I, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(N, dtype=torch.float64, requires_grad=True)
+    b = torch.zeros(N, dtype=torch.float64)
+    b[::7] = torch.rand(len(b[::7]), dtype=torch.float64) * 3  # a few raised units (the floor rule: b >= 0)
+    if case == "signed":
+        b = torch.randn(N, dtype=torch.float64)  # the symmetric rule moves biases both ways
+    if case == "few_positive":
+        with torch.no_grad():
+            bias -= 6.0  # most rows have fewer than K positive pre-activations
+    pre = torch.nn.functional.linear(x, weight, bias).detach()
+    ref_values, ref_index = relu_topk(pre, K, b)
+    assert case != "few_positive" or ((pre > 0).sum(-1) < K).float().mean() > 0.5
+    outputs = {}
+    for need_pre in (True, False):
+        weight.grad = bias.grad = None
+        values, index, kept = LinearReluTopK.apply(x, weight, bias, K, b, need_pre)
+        (values.square() + values).sum().backward()  # order-free: the K slots may come in another order
+        outputs[need_pre] = (values.detach(), index, weight.grad.clone(), bias.grad.clone())
+        assert kept.numel() == (T * N if need_pre else 0)
+    values, index, grad_w, grad_b = outputs[False]
+    fired = values > 0
+    ref_fired = ref_values > 0
+    for t in range(T):  # the same positive units chosen, with the same values
+        mine = dict(zip(index[t][fired[t]].tolist(), values[t][fired[t]].tolist()))
+        ref = dict(zip(ref_index[t][ref_fired[t]].tolist(), ref_values[t][ref_fired[t]].tolist()))
+        assert mine.keys() == ref.keys()
+        assert all(abs(mine[u] - ref[u]) < 1e-9 for u in mine)
+    torch.testing.assert_close(values.sort(-1).values, ref_values.sort(-1).values)
+    if case != "few_positive":  # with K positives everywhere, even the order-free choice is identical
+        assert torch.equal(index.sort(-1).values, ref_index.sort(-1).values)
+        torch.testing.assert_close(grad_w, outputs[True][2])
+        torch.testing.assert_close(grad_b, outputs[True][3])

@@ -140,7 +140,7 @@ def _unmasked_backward(ctx, grad_values, _grad_index, _grad_pre):
     rows = grad_values.reshape(-1, 1) * x.repeat_interleave(K_, 0)  # (T K, I)
     grad_w = torch.zeros_like(weight).index_add_(0, index.reshape(-1), rows)
     grad_b = torch.zeros(weight.shape[0], dtype=weight.dtype).index_add_(0, index.reshape(-1), grad_values.reshape(-1))
-    return grad_x, grad_w, grad_b, None, None
+    return grad_x, grad_w, grad_b, *[None] * (len(ctx.needs_input_grad) - 3)  # k, selection bias, need_pre
 
 
 def _scaled_backward(original):
