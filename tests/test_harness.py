@@ -21,7 +21,7 @@ from expertize.conversion.harness.offline_tasks import (
 )
 from expertize.conversion.surgery.splice import save_model, splice
 from expertize.conversion.evaluation.sweep import plot_sweep, sweep_points
-from expertize.modeling import MxdLayer, MxdSpec, TranscoderSpec
+from expertize.modeling import MuMoECPSpec, MxdLayer, MxdSpec, TranscoderSpec
 from tests.conftest import D_HIDDEN, D_MODEL, run_isolated, tiny_base_model, tiny_tokenizer
 
 LIMIT = 6
@@ -317,6 +317,14 @@ def test_plot_sweep(tmp_path):
     (folders[3] / "metrics.json").write_text(json.dumps({"ce": {"base": 3.4, "spliced": 3.8}}))
     with pytest.raises(ValueError, match="different base values for ce.spliced"):
         plot_sweep(folders, "ce.spliced", tmp_path / "bad.png")
+
+    # μMoE has no top K: it is refused on the K axis (naming the folder and the fix) and plotted by active parameters
+    mumoe = _fake_folder(tmp_path, "mumoe", MuMoECPSpec(d_in=64, d_out=64, d_hidden=172, num_experts=16, rank=8),
+                         {"ce": {"base": 3.4, "spliced": 3.7}})
+    with pytest.raises(ValueError, match=r"mumoe: its mumoe_cp layers choose no top K .* --x active_parameters"):
+        plot_sweep([folders[3], mumoe], "ce.spliced", tmp_path / "k.png")
+    path = plot_sweep([folders[3], mumoe], "ce.spliced", tmp_path / "ap.png", x="active_parameters")
+    assert [p["k"] for p in json.loads(path.with_suffix(".json").read_text())["points"]] == [8, None]
 
 
 @pytest.fixture

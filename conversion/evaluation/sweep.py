@@ -39,7 +39,8 @@ XAxis = Literal["k", "active_parameters"]
 class SweepPoint:
     folder: str
     method: str
-    k: int
+    k: int | None
+    """The layers' top K; None for kinds without one (μMoE's soft gate), which plot against active parameters."""
     active_parameters: int
     value: float
     base_value: float | None
@@ -96,7 +97,7 @@ def sweep_points(folders: Sequence[str | os.PathLike], metric: str) -> list[Swee
         specs = [spec_from_dict(spec) for spec in (config.get("sparse_layers") or {}).values()]
         if not specs:
             raise ValueError(f"{folder}: config.json lists no sparse_layers")
-        ks = {spec.k for spec in specs}
+        ks = {getattr(spec, "k", None) for spec in specs}
         if len(ks) > 1:
             raise ValueError(f"{folder}: its layers use different K ({sorted(ks)}); a sweep point needs one K")
         value, base = read_metric(read_metrics(folder), metric)
@@ -130,6 +131,12 @@ def plot_sweep(
     if x not in ("k", "active_parameters"):
         raise ValueError(f"x must be 'k' or 'active_parameters', got {x!r}")
     points = sweep_points(folders, metric)
+    no_k = [p for p in points if p.k is None]
+    if x == "k" and no_k:
+        raise ValueError(
+            f"{no_k[0].folder}: its {no_k[0].method} layers choose no top K (every unit is gated softly), so it has no "
+            "place on a K axis; plot against --x active_parameters"
+        )
     bases = [p.base_value for p in points if p.base_value is not None]
     if any(not math.isclose(b, bases[0], rel_tol=1e-9, abs_tol=1e-12) for b in bases):
         spread = ", ".join(f"{p.folder}: {p.base_value}" for p in points if p.base_value is not None)

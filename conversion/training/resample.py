@@ -45,9 +45,10 @@ class Resampler:
 
     def __init__(self, layer: SparseLayer, every_tokens: int, until_tokens: int, seed: int = 0) -> None:
         self.layer, self.every_tokens, self.until_tokens = layer, int(every_tokens), int(until_tokens)
-        self.tracker = DeadUnitTracker(layer.num_units, self.every_tokens, device=layer.W_dec.device)
+        device = next(layer.parameters()).device
+        self.tracker = DeadUnitTracker(layer.num_units, self.every_tokens, device=device)
         self.next_check = self.every_tokens
-        self.generator = torch.Generator(device=layer.W_dec.device).manual_seed(seed)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
         self.resampled = 0
         """Units resampled so far (the log reports it)."""
 
