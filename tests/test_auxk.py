@@ -1,6 +1,7 @@
 """AuxK (conversion/training/auxk.py and each kind's `auxk_reconstruction`).
 
-What is asserted, per kind that has AuxK (transcoder, skip transcoder, MxD, routed neurons), in float64:
+What is asserted, per kind that has AuxK (tests/kinds.py's AUXK_KINDS, read from the layer classes: transcoder,
+skip transcoder, MxD, routed neurons; each in the configurations below), in float64:
 - the loss equals a hand computation (explicit loops over tokens and units) on a tiny case with a known dead mask,
   with more and with fewer dead units than k_aux, and the gradients equal those of that hand computation;
 - the gradients reach only the dead units' own rows (the paper's behaviour: only dead latents' encoder / decoder
@@ -8,6 +9,7 @@ What is asserted, per kind that has AuxK (transcoder, skip transcoder, MxD, rout
   shared neurons) get none: their grads stay None or exactly 0;
 - no dead unit: loss exactly 0 and every gradient 0; a token with zero error adds 0 (no NaN).
 The tracker marks exactly the units that did not fire (non-zero weight) within the window, and resumes exactly.
+That the other kinds refuse AuxK with the fix is tests/test_kind_contract.py's battery.
 """
 
 import math
@@ -16,7 +18,6 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from expertize.conversion.errors import ExpertizeError
 from expertize.conversion.training.auxk import (
     DeadUnitTracker,
     auto_k_aux,
@@ -26,6 +27,7 @@ from expertize.conversion.training.auxk import (
     supports_auxk,
 )
 from expertize.modeling import build_sparse_layer
+from tests.kinds import AUXK_KINDS, randomized
 
 I, O, H, N, K, T = 6, 5, 7, 11, 3, 9
 DEAD = torch.tensor([1, 0, 0, 1, 0, 1, 0, 0, 1, 0, 0], dtype=torch.bool)  # 4 of N = 11 dead
@@ -47,14 +49,23 @@ UNIT_ROWS = {
 }
 
 
+def test_every_kind_with_auxk_has_a_hand_computation():
+    """A kind whose layer declares AuxK is checked here: it needs a configuration above and a hand computation."""
+    assert {spec["kind"] for spec in SPECS.values()} == set(AUXK_KINDS)
+    assert {_family(_layer(name)) for name in SPECS} == set(UNIT_ROWS)
+
+
 def _layer(name: str, seed: int = 0):
-    layer = build_sparse_layer({"d_in": I, "d_out": O, **SPECS[name]})
-    gen = torch.Generator().manual_seed(seed)
-    layer.double().train()
+    """float64, random everywhere (the init zeroes D, W_dec)."""
+    return randomized(build_sparse_layer({"d_in": I, "d_out": O, **SPECS[name]}), seed).train()
+
+
+def _predicted(name: str):
+    """(layer, x, y, the layer's prediction ŷ of y, computed without gradients)."""
+    layer = _layer(name)
+    x, y = _data()
     with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype))  # random everywhere (init zeroes D, W_dec)
-    return layer
+        return layer, x, y, layer(x)
 
 
 def _data(seed: int = 1):
@@ -153,10 +164,7 @@ def test_auxk_loss_and_gradients_equal_hand_computation(name, k_aux):
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_gradients_reach_only_dead_units(name):
-    layer = _layer(name)
-    x, y = _data()
-    with torch.no_grad():
-        y_hat = layer(x)
+    layer, x, y, y_hat = _predicted(name)
     layer.zero_grad(set_to_none=True)
     auxk_loss(layer, x, y, y_hat, DEAD, k_aux=2).backward()
     unit_rows = UNIT_ROWS[_family(layer)]
@@ -170,10 +178,7 @@ def test_gradients_reach_only_dead_units(name):
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_no_dead_unit_gives_zero_loss_and_no_gradient(name):
-    layer = _layer(name)
-    x, y = _data()
-    with torch.no_grad():
-        y_hat = layer(x)
+    layer, x, y, y_hat = _predicted(name)
     loss, grads = _grads(layer, lambda: auxk_loss(layer, x, y, y_hat, torch.zeros(N, dtype=torch.bool), k_aux=4))
     assert float(loss) == 0.0
     assert all(g is None or not g.any() for g in grads.values())
@@ -181,10 +186,7 @@ def test_no_dead_unit_gives_zero_loss_and_no_gradient(name):
 
 @pytest.mark.parametrize("name", ["transcoder", "mxd_mlp", "routed_low_rank"])
 def test_zero_error_tokens_are_nan_free(name):
-    layer = _layer(name)
-    x, y = _data()
-    with torch.no_grad():
-        y_hat = layer(x)
+    layer, x, y, y_hat = _predicted(name)
     y = y.clone()
     y[0] = y_hat[0]  # token 0 reconstructed exactly: ||e_0|| = 0 adds 0, not NaN
     loss, grads = _grads(layer, lambda: auxk_loss(layer, x, y, y_hat, DEAD, k_aux=2))
@@ -196,10 +198,7 @@ def test_zero_error_tokens_are_nan_free(name):
 
 
 def test_token_mask_excludes_tokens_and_leading_dims_work():
-    layer = _layer("mxd_mlp")
-    x, y = _data()
-    with torch.no_grad():
-        y_hat = layer(x)
+    layer, x, y, y_hat = _predicted("mxd_mlp")
     keep = torch.ones(T, dtype=torch.bool)
     keep[0] = False
     spiked = y.clone()
@@ -209,16 +208,6 @@ def test_token_mask_excludes_tokens_and_leading_dims_work():
     # (B, S, I) inputs: the same loss as flattened tokens.
     batched = auxk_loss(layer, x.view(3, 3, I), y.view(3, 3, O), y_hat.view(3, 3, O), DEAD, 2)
     torch.testing.assert_close(batched, auxk_loss(layer, x, y, y_hat, DEAD, 2))
-
-
-def test_kinds_without_auxk_say_so():
-    moe_x = build_sparse_layer(dict(kind="moe_x", d_in=I, d_out=O, d_expert=4, num_experts=4, k=2))
-    monet = build_sparse_layer(dict(kind="monet_hd", d_in=I, d_out=O, d_hidden=8, num_experts=16, k=2))
-    for layer in (moe_x, monet):
-        assert not supports_auxk(layer)
-    x = torch.randn(T, I)
-    with pytest.raises(ExpertizeError, match=r"AuxK is not defined for sparse layer kind 'moe_x'.*auxk_coef: 0"):
-        auxk_loss(moe_x, x, torch.randn(T, O), torch.randn(T, O), torch.ones(4, dtype=torch.bool), 2)
 
 
 # -- the tracker -----------------------------------------------------------------------------------------------------

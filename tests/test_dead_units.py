@@ -30,13 +30,13 @@ from expertize.conversion.training.errors import RunInterrupted
 from expertize.conversion.training.log import read_log
 from expertize.modeling import build_sparse_layer
 from tests.conftest import D_MODEL, tiny_base_model, tiny_tokenizer, write_corpus
+from tests.kinds import AUXK_KINDS, KINDS, ROWS, tiny_spec
 
 CPU = torch.device("cpu")
 TOKENS = 64
-SPECS = {
-    "mxd": dict(kind="mxd", d_in=D_MODEL, d_out=D_MODEL, d_hidden=24, num_experts=48, k=2),
-    "transcoder": dict(kind="transcoder", d_in=D_MODEL, d_out=D_MODEL, num_latents=48, k=2),
-}
+# Every kind with AuxK (tests/kinds.py reads it from the layer class), with many units and a small K: units die
+# within the 2-step window, so AuxK has work to do.
+SPECS = {kind: {**tiny_spec(kind), ROWS[kind].spec_class.units_field: 48, "k": 2} for kind in AUXK_KINDS}
 
 
 class FixedBatches:
@@ -197,14 +197,15 @@ def test_auxk_run_resumes_exactly(tmp_path):
 
 def test_kinds_without_auxk_train_without_it_and_say_so(tmp_path):
     torch.manual_seed(0)
-    layers = {1: build_sparse_layer(dict(kind="moe_x", d_in=D_MODEL, d_out=D_MODEL, d_expert=8, num_experts=8, k=2))}
+    without = [kind for kind in KINDS if kind not in AUXK_KINDS]
+    layers = {i: build_sparse_layer(tiny_spec(kind)) for i, kind in enumerate(without)}
     messages = []
     trainer = _train(layers, FixedBatches(layers, 4), _cfg(auxk_coef=1 / 32, balance="none"), tmp_path, 4,
                      log=messages.append)
     assert trainer.auxk_layers == set()
     assert messages == [
-        "kind(s) moe_x have no AuxK (their units are not chosen by a top-k over their own parameters), so they "
-        "train without it; set train.auxk_coef=0 to silence this note"
+        f"kind(s) {', '.join(without)} have no AuxK (their units are not chosen by a top-k over their own "
+        "parameters), so they train without it; set train.auxk_coef=0 to silence this note"
     ]
     assert all("auxk" not in r for r in read_log(tmp_path / "train_log.jsonl"))
 

@@ -8,28 +8,11 @@ import torch
 from expertize.conversion.inspection import InspectionSettings, collect_stats
 from expertize.conversion.inspection.effects import final_norm
 from expertize.conversion.surgery.splice import splice
-from expertize.modeling import (
-    MoeXSpec,
-    MonetHDSpec,
-    MuMoECPSpec,
-    MxdSpec,
-    RoutedNeuronsSpec,
-    SkipTranscoderSpec,
-    TranscoderSpec,
-    build_sparse_layer,
-)
-from tests.conftest import D_HIDDEN, D_MODEL, VOCAB, tiny_base_model
+from expertize.modeling import build_sparse_layer
+from tests.conftest import D_MODEL, VOCAB, tiny_base_model
+from tests.kinds import KINDS, tiny_spec
 
-D, H = D_MODEL, D_HIDDEN
-SPECS = {
-    "mxd": lambda: MxdSpec(d_in=D, d_out=D, d_hidden=H, num_experts=24, k=4, activation="gelu_new"),
-    "transcoder": lambda: TranscoderSpec(d_in=D, d_out=D, num_latents=40, k=4),
-    "skip_transcoder": lambda: SkipTranscoderSpec(d_in=D, d_out=D, num_latents=40, k=3),
-    "moe_x": lambda: MoeXSpec(d_in=D, d_out=D, d_expert=6, num_experts=5, k=2, router="switch", activation="relu"),
-    "monet_hd": lambda: MonetHDSpec(d_in=D, d_out=D, d_hidden=32, num_experts=16, k=2, num_heads=2),
-    "mumoe_cp": lambda: MuMoECPSpec(d_in=D, d_out=D, d_hidden=H, num_experts=12, rank=8),
-    "routed_neurons": lambda: RoutedNeuronsSpec(d_in=D, d_out=D, num_experts=30, k=4, num_shared=2, router_rank=4),
-}
+D = D_MODEL
 
 
 def hand_set(spec, seed: int):
@@ -44,7 +27,7 @@ def hand_set(spec, seed: int):
 
 def tiny_model(kind: str, family: str = "gpt2"):
     """A float64 tiny model with the kind at layer 1 and a transcoder at layer 0 (two layers inspected at once)."""
-    layers = {0: hand_set(SPECS["transcoder"](), 1), 1: hand_set(SPECS[kind](), 2)}
+    layers = {0: hand_set(tiny_spec("transcoder"), 1), 1: hand_set(tiny_spec(kind, activation="gelu_new"), 2)}
     return splice(tiny_base_model(family), layers).double().eval()
 
 
@@ -94,7 +77,7 @@ def run(model, sequences, **settings):
     return collect_stats(model, sequences, settings, token_text=lambda t: f"t{t}", model_name="tiny")
 
 
-@pytest.mark.parametrize("kind", sorted(SPECS))
+@pytest.mark.parametrize("kind", KINDS)
 def test_statistics_equal_brute_force(kind):
     model = tiny_model(kind)
     sequences = corpora()
@@ -160,7 +143,7 @@ def test_transcoder_direct_effect_is_its_decoder_row_through_norm_and_unembeddin
     stats = run(model, corpora(), vocab_top=5)
     layer = model.sparse_layers()[1]
     ids, values = stats.layers[1].promoted
-    for unit in (0, 7, 39):
+    for unit in (0, 7, layer.num_units - 1):
         logits = _vocab_logits(model, layer.W_dec[unit])
         assert ids[unit, 0].tolist() == logits.topk(5).indices.tolist()
         assert ids[unit, 1].tolist() == (-logits).topk(5).indices.tolist()
@@ -209,11 +192,11 @@ def test_routing_load_and_entropy_of_moe_x():
             h.remove()
             logits.append(layer.router_scores(x[0]))
     scores = torch.cat(logits)  # (tokens, M)
-    top = scores.topk(2, dim=-1).indices
-    load = torch.bincount(top.reshape(-1), minlength=5).double() / top.numel()
+    top = scores.topk(layer.spec.k, dim=-1).indices
+    load = torch.bincount(top.reshape(-1), minlength=layer.spec.num_experts).double() / top.numel()
     p = scores.double().softmax(-1)
     routing = stats.layers[1].routing
-    assert routing["experts"] == 5
+    assert routing["experts"] == layer.spec.num_experts
     assert routing["load"] == pytest.approx(load.tolist())
     assert routing["router_entropy"] == pytest.approx(float(-(p * p.log()).sum(-1).mean()))
     assert stats.layers[0].routing is None  # transcoders have no router

@@ -1,41 +1,231 @@
-"""The contract every sparse layer kind keeps, one battery driven by tests/kinds.py (a new kind is one row there)."""
+"""The contract every sparse layer kind keeps: one battery driven by tests/kinds.py, so a new kind is one row there.
+
+In process, for every row and for the toy kind of tests/toy_kind.py (registered for the test only: the proof that a
+kind outside the table's authors' minds passes the same battery): the spec round trip and its parameter count, the
+errors that name the field, shapes and dtypes (float32, float64, bfloat16), gradients to every parameter, the code at
+`code_hook` and edits made there, steering and ablation, the unit-range error, the reset guard used while loading,
+inference mode and torch.compile, an inspection pass, AuxK and resampling where the layer declares them.
+Across all kinds at once: one remote-code round trip (one subprocess for every kind's folder) and one distillation
+through the real pipeline (every kind a variant on one activation stream). The per-kind files keep only their math.
+"""
+
+import dataclasses
+import json
+import re
 
 import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM
 
-from expertize.modeling import FAMILIES, ExpertizeLlamaConfig, build_sparse_layer
+from expertize.conversion.errors import ExpertizeError
+from expertize.conversion.training.auxk import auxk_loss, supports_auxk
+from expertize.modeling import FAMILIES, LAYER_KINDS, ExpertizeLlamaConfig, build_sparse_layer, spec_from_dict
 from tests.common_testers import FamilyTester
-from tests.kinds import KINDS, tiny_spec
+from tests.conftest import FAMILY_NAMES, run_isolated, tiny_base_model, tiny_tokenizer
+from tests.kinds import D_MODEL, KINDS, ROWS, KindRow, check_spec, randomized, tiny_spec
+from tests.toy_kind import TOY_KIND, TOY_TINY_FIELDS, toy_kind_registered
 
 
-def _random(layer, seed=0):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0, 0.3)
-    return layer.eval()
+@pytest.fixture(params=[*KINDS, TOY_KIND])
+def row(request):
+    """Each row of tests/kinds.py, and the toy kind registered for the test (a new kind is one row)."""
+    if request.param != TOY_KIND:
+        yield ROWS[request.param]
+        return
+    with toy_kind_registered():
+        yield KindRow(TOY_KIND, TOY_TINY_FIELDS[TOY_KIND])
+
+
+def _spec(row: KindRow, variant: bool = False) -> dict:
+    return tiny_spec(row.kind, fields={**row.fields, **(row.variant if variant else {})})
+
+
+def _layer(row: KindRow, variant: bool = False, seed: int = 0, dtype=torch.float64):
+    return randomized(build_sparse_layer(_spec(row, variant)), seed, dtype, std=0.3).eval()
+
+
+def _x(*shape, seed: int = 1, dtype=torch.float64) -> torch.Tensor:
+    return torch.randn(*shape, D_MODEL, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def test_the_table_has_a_row_for_every_registered_kind():
+    assert sorted(LAYER_KINDS) == KINDS, f"tests/kinds.py lacks a row for {sorted(set(LAYER_KINDS) - set(KINDS))}"
+    for row in ROWS.values():
+        assert set(row.variant) <= {f for f in spec_from_dict(_spec(row)).to_dict()}, row.kind
+        assert supports_auxk(build_sparse_layer(_spec(row))) == row.has_auxk
+
+
+# -- the spec ---------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_code_hook_sees_the_inputs_leading_shape(kind):
-    """Inside a model the code at `mlp.code_hook` is (batch, seq, K), like the module's own output (batch, seq, O)."""
-    model = AutoModelForCausalLM.from_config(FamilyTester(None, "llama", kind).get_config()).eval()
+def test_every_kind_declares_its_facts_on_its_spec_class(kind):
+    """What the recipe and the card know about a kind is read from its spec class, so each registered kind has it."""
+    from expertize.modeling import MlpShape
+
+    spec_cls = ROWS[kind].spec_class
+    fields = {f.name for f in dataclasses.fields(spec_cls)}
+    assert spec_cls.kind == kind and spec_cls.title and spec_cls.title != kind
+    assert spec_cls.unit_name in ("expert", "latent")
+    assert spec_cls.units_field in fields and spec_cls.size_field() in fields
+    assert spec_cls.citation.startswith("@article{") and "url           = {https://arxiv.org/abs/" in spec_cls.citation
+    assert spec_cls.init_modes[0] == "default" and spec_cls.match_conventions[0] == "exact"
+    defaults = spec_cls.mlp_defaults(MlpShape(16, 64, "gelu_new", False), init="default", num_units=None)
+    assert set(defaults) <= fields
+
+
+@pytest.mark.parametrize("variant", [False, True], ids=["tiny", "variant"])
+def test_spec_round_trips_and_counts_its_parameters(row, variant):
+    spec = spec_from_dict(_spec(row, variant))
+    assert spec.kind == row.kind and spec.to_dict()["kind"] == row.kind
+    check_spec(spec)
+    if row.selects_top_k:  # K of the units' rows per token
+        assert spec.active_parameters() < spec.num_parameters()
+
+
+def test_spec_errors_name_the_field_and_the_kind(row):
+    data = _spec(row)
+    with pytest.raises(ValueError, match=rf"unknown field\(s\) \['bogus'\] for sparse layer kind '{row.kind}'"):
+        spec_from_dict({**data, "bogus": 1})
+    required = [f.name for f in dataclasses.fields(row.spec_class) if f.name not in ("d_in", "d_out")
+                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    needs = rf"sparse layer kind '{row.kind}' needs field\(s\) {re.escape(str(required))}"
+    with pytest.raises(ValueError, match=needs):
+        spec_from_dict({k: v for k, v in data.items() if k not in required})
+    units = row.spec_class.units_field
+    with pytest.raises(ValueError, match=rf"{row.kind}.{units} must be an integer"):
+        spec_from_dict({**data, units: data[units] + 0.5})
+    if row.has_field("activation"):
+        with pytest.raises(ValueError, match=r"activation 'tanh' is not supported"):
+            spec_from_dict({**data, "activation": "tanh"})
+    if row.has_field("k"):
+        with pytest.raises(ValueError, match=rf"{row.kind}.k=\d+ exceeds"):
+            spec_from_dict({**data, "k": 10**6})
+    with pytest.raises(ValueError, match=r"unknown sparse layer kind 'moe_magic'; known kinds: \["):
+        spec_from_dict({**data, "kind": "moe_magic"})
+
+
+@pytest.mark.parametrize("kind, fields, message", [(kind, *case) for kind in KINDS for case in ROWS[kind].errors],
+                         ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else None)
+def test_spec_errors_of_each_kind_name_the_field(kind, fields, message):
+    with pytest.raises(ValueError, match=message):
+        spec_from_dict({**tiny_spec(kind), **fields})
+
+
+# -- forward, code, gradients -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_forward_and_code_keep_the_inputs_leading_shape_and_dtype(row, dtype):
+    layer = _layer(row, dtype=dtype)
+    x = _x(2, 3, 5, dtype=dtype)
+    with torch.no_grad():
+        out = layer(x)
+        code = layer.encode(x)
+    assert out.shape == x.shape and out.dtype == dtype and torch.isfinite(out).all()
+    assert code.top_k_index.shape == code.top_k_weights.shape and code.top_k_index.shape[:3] == (2, 3, 5)
+    assert code.top_k_index.dtype == torch.int64 and code.top_k_weights.is_floating_point()
+    assert 0 <= int(code.top_k_index.min()) and int(code.top_k_index.max()) < layer.num_units
+    if row.selects_top_k:
+        assert code.top_k_index.shape[-1] == layer.spec.k == layer.target_l0
+
+
+@pytest.mark.parametrize("variant", [False, True], ids=["tiny", "variant"])
+def test_every_parameter_gets_a_finite_nonzero_gradient(row, variant):
+    """A training step in float64 and one under bfloat16 autocast reach every parameter (the aux loss included)."""
+    layer = _layer(row, variant).train()
+    for autocast in (False, True):
+        layer.zero_grad(set_to_none=True)
+        layer.to(torch.float32 if autocast else torch.float64)
+        x = _x(4, 6, dtype=torch.float32 if autocast else torch.float64)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = layer(x).float().square().mean()
+            if layer.aux_loss is not None:
+                loss = loss + layer.aux_loss.float()
+        loss.backward()
+        for name, p in layer.named_parameters():
+            assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, (autocast, name)
+
+
+def test_code_hook_sees_the_code_and_its_edits_reach_the_output(row):
+    """What a hook returns, or writes in place (nnsight's way), is the code the layer decodes: halving by either
+    route gives one output, and a zeroed code equals ablating every unit."""
+    layer = _layer(row)
+    x = _x(3, 4)
     seen = []
-    model.model.layers[1].mlp.code_hook.register_forward_hook(lambda m, a, out: seen.append(out))
+
+    def halve_in_place(module, args, code):  # returns None: the layer keeps the (edited) code
+        code.top_k_weights.mul_(0.5)
+
     with torch.no_grad():
-        model(torch.randint(3, 99, (3, 5)))
-    (code,) = seen
-    assert code.top_k_index.shape[:2] == code.top_k_weights.shape[:2] == (3, 5)
-    assert code.top_k_index.shape == code.top_k_weights.shape
+        handle = layer.code_hook.register_forward_hook(lambda m, a, code: seen.append(code))
+        base = layer(x)
+        handle.remove()
+        assert len(seen) == 1 and seen[0].top_k_index.shape[:2] == (3, 4)
+        handle = layer.code_hook.register_forward_hook(lambda m, a, c: c._replace(top_k_weights=c.top_k_weights / 2))
+        halved = layer(x)
+        handle.remove()
+        handle = layer.code_hook.register_forward_hook(halve_in_place)
+        torch.testing.assert_close(layer(x), halved)
+        handle.remove()
+        handle = layer.code_hook.register_forward_hook(lambda m, a, c: c._replace(top_k_weights=c.top_k_weights * 0))
+        zeroed = layer(x)
+        handle.remove()
+        with layer.intervene(ablate=range(layer.num_units)):
+            torch.testing.assert_close(layer(x), zeroed)
+    assert not torch.allclose(halved, base) and not torch.allclose(zeroed, base)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_inference_mode_and_hooked_edits_agree_with_no_grad(kind):
+def test_steering_is_linear_and_ablation_removes_only_the_units_that_fire(row):
+    layer = _layer(row)
+    x = _x(12)
+    with torch.no_grad():
+        base = layer(x)
+        code = layer.encode(x)
+        fired = sorted(set(code.top_k_index[code.top_k_weights != 0].tolist()))
+        unit = fired[0]
+        with layer.intervene(steer={unit: 1.5}):
+            once = layer(x)
+        with layer.intervene(steer={unit: 3.0}):
+            twice = layer(x)
+        assert not torch.allclose(once, base)
+        torch.testing.assert_close(twice - base, 2 * (once - base))  # adds λ times the unit's contribution
+        with layer.intervene(ablate=[u for u in range(layer.num_units) if u not in fired]):
+            torch.testing.assert_close(layer(x), base)
+        with layer.intervene(ablate=fired[:2]):
+            assert not torch.allclose(layer(x), base)
+        torch.testing.assert_close(layer(x), base)  # the context manager restored the layer
+
+
+def test_interventions_name_the_valid_range(row):
+    layer = _layer(row)
+    n = layer.num_units
+    with pytest.raises(ValueError, match=rf"unit id\(s\) \[{n}\] out of range: this layer has {n} units"):
+        layer.steer(n, 1.0)
+    with pytest.raises(ValueError, match=r"unit id\(s\) \[-1\] out of range"):
+        layer.ablate([-1])
+
+
+@pytest.mark.parametrize("variant", [False, True], ids=["tiny", "variant"])
+def test_reset_parameters_never_touches_loaded_weights(row, variant):
+    """Under transformers' guard (as while loading), parameters flagged as loaded keep their values."""
+    from transformers.initialization import guard_torch_init_functions
+
+    layer = _layer(row, variant)
+    before = {name: p.detach().clone() for name, p in layer.named_parameters()}
+    for p in layer.parameters():
+        p._is_hf_initialized = True
+    with guard_torch_init_functions():
+        layer.reset_parameters()
+    for name, p in layer.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
+def test_inference_mode_and_hooked_edits_agree_with_no_grad(row):
     """Every kind runs under torch.inference_mode() with the same output as under no_grad, and an edit of the code
     made by a hook reaches the output there too (inference tensors carry no version counter to detect it)."""
-    layer = _random(build_sparse_layer(tiny_spec(kind)))
-    x = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(1))
+    layer = _layer(row, dtype=torch.float32)
+    x = _x(2, 4, dtype=torch.float32)
 
     def zero_in_place(module, args, code):  # what nnsight's `code_hook.output.top_k_weights[:] = 0` does
         code.top_k_weights.mul_(0)
@@ -54,16 +244,95 @@ def test_inference_mode_and_hooked_edits_agree_with_no_grad(kind):
     assert not torch.allclose(zeroed, reference)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_layer_compiles_fullgraph_with_the_eager_output(kind):
+def test_layer_compiles_fullgraph_with_the_eager_output(row):
     """No host synchronization or data-dependent shape: torch.compile(fullgraph=True) traces the layer."""
     import torch._dynamo
 
-    layer = _random(build_sparse_layer(tiny_spec(kind)))
-    x = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(2))
+    layer = _layer(row, dtype=torch.float32)
+    x = _x(2, 4, seed=2, dtype=torch.float32)
     torch._dynamo.reset()
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(layer, fullgraph=True)(x), layer(x), rtol=1e-5, atol=1e-5)
+
+
+# -- what generic code asks of a kind: inspection, AuxK, resampling ---------------------------------------------------
+
+
+def test_inspection_reads_routing_effects_and_meaning_from_the_kind(row):
+    from expertize.conversion.inspection import LAYER_SCHEMA, InspectionSettings, collect_stats, validate
+    from expertize.conversion.surgery.splice import splice
+
+    layer = _layer(row, dtype=torch.float32)
+    model = splice(tiny_base_model("gpt2"), {1: layer}).eval()
+    corpora = {"a": torch.randint(4, 99, (4, 12), generator=torch.Generator().manual_seed(0))}
+    settings = InspectionSettings(top_n=2, left=2, right=1, batch_size=2, vocab_top=3)
+    stats = collect_stats(model, corpora, settings, token_text=lambda t: f"t{t}", model_name="tiny")
+    report = stats.to_json(1)
+    validate(report, LAYER_SCHEMA)
+    spec = layer.spec
+    assert (report["kind"], report["activation"], report["unit_name"]) == (
+        row.kind, spec.activation_meaning, spec.code_unit())
+    assert report["num_units"] == layer.num_units and stats.frequency(1).sum() > 0
+    if row.has_router:
+        assert report["routing"]["experts"] == layer.num_routed_experts
+        assert sum(report["routing"]["load"]) == pytest.approx(1.0)
+    else:
+        assert report.get("routing") is None
+    has_effects = layer.output_directions() is not None or layer.token_directions
+    assert any(u["promoted_tokens"] for u in report["units"]) == has_effects
+
+
+def test_auxk_where_the_kind_declares_it(row):
+    layer = _layer(row).train()
+    x, y = _x(9), _x(9, seed=2)
+    dead = torch.zeros(layer.num_units, dtype=torch.bool)
+    dead[::2] = True
+    with torch.no_grad():
+        y_hat = layer(x)
+    if not row.has_auxk:
+        refusal = rf"AuxK is not defined for sparse layer kind '{row.kind}'.*auxk_coef: 0"
+        with pytest.raises(ExpertizeError, match=refusal):
+            auxk_loss(layer, x, y, y_hat, dead, 2)
+        return
+    loss = auxk_loss(layer, x, y, y_hat, dead, 2)
+    assert torch.isfinite(loss) and loss > 0
+    loss.backward()
+    assert any(p.grad is not None and p.grad.any() for p in layer.parameters())
+    assert auxk_loss(layer, x, y, y_hat, torch.zeros_like(dead), 2) == 0  # no dead unit: no term
+
+
+def test_resampling_where_the_kind_declares_it(row):
+    layer = _layer(row, dtype=torch.float32)
+    x, units = _x(3, dtype=torch.float32), torch.tensor([1, 5, 9])
+    if not row.supports_resampling:
+        with pytest.raises(NotImplementedError, match=rf"{row.kind} layers do not resample dead units"):
+            layer.resample_units(units, x, torch.randn(3, D_MODEL))
+        return
+    rows = layer.resample_units(units, x, torch.randn(3, D_MODEL))
+    names = dict(layer.named_parameters())
+    assert rows and set(rows) <= set(names)
+    for name, index in rows.items():
+        assert torch.equal(torch.as_tensor(index).sort().values, units), name
+    with torch.no_grad():
+        code = layer.encode(x)
+    for i, unit in enumerate(units.tolist()):  # each unit now fires on the input it was pointed at
+        assert bool(((code.top_k_index[i] == unit) & (code.top_k_weights[i] > 0)).any()), unit
+
+
+# -- inside a model ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_code_hook_sees_the_inputs_leading_shape_inside_a_model(kind):
+    """Inside a model the code at `mlp.code_hook` is (batch, seq, K), like the module's own output (batch, seq, O)."""
+    model = AutoModelForCausalLM.from_config(FamilyTester(None, "llama", kind).get_config()).eval()
+    seen = []
+    model.model.layers[1].mlp.code_hook.register_forward_hook(lambda m, a, out: seen.append(out))
+    with torch.no_grad():
+        model(torch.randint(3, 99, (3, 5)))
+    (code,) = seen
+    assert code.top_k_index.shape[:2] == code.top_k_weights.shape[:2] == (3, 5)
+    assert code.top_k_index.shape == code.top_k_weights.shape
 
 
 def test_auto_classes_know_the_expertize_configs_in_process():
@@ -72,3 +341,158 @@ def test_auto_classes_know_the_expertize_configs_in_process():
         assert type(AutoModelForCausalLM.from_config(config)) is FAMILIES[family].causal_lm_class
         assert type(AutoModel.from_config(config)) is FAMILIES[family].base_model_class
     assert isinstance(ExpertizeLlamaConfig(), ExpertizeLlamaConfig)
+
+
+# -- every kind at once: remote code, distillation --------------------------------------------------------------------
+
+REMOTE_EVERY_KIND = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+report = {}
+for family, (folder, reference, blocks_path) in json.loads(sys.argv[1]).items():
+    ref = torch.load(reference)
+    model, info = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, output_loading_info=True)
+    assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    state = model.state_dict()  # buffers too (Monet's running statistics)
+    for key, value in ref["state"].items():
+        torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
+    blocks = eval("model." + blocks_path)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ref["input_ids"]).logits, ref["logits"], rtol=1e-5, atol=1e-5)
+        for index, (units, ablated) in ref["ablated"].items():
+            with blocks[index].mlp.intervene(ablate=units):
+                torch.testing.assert_close(model(ref["input_ids"]).logits, ablated, rtol=1e-5, atol=1e-5)
+    greedy = model.generate(ref["input_ids"][:1, :3], max_new_tokens=4, do_sample=False)[0].tolist()
+    assert greedy == ref["greedy"], (greedy, ref["greedy"])
+    report[family] = [type(block.mlp).__name__ for block in blocks]
+print(json.dumps(report))
+"""
+
+
+def _trained_like(kind: str, shape, variant: bool, seed: int):
+    """A layer for an MLP of `shape` with random weights and running statistics moved away from their init."""
+    spec = tiny_spec(kind, shape.d_model, shape.d_hidden, shape.activation, shape.glu, variant=variant)
+    layer = randomized(build_sparse_layer(spec), seed, torch.float32, std=0.3)
+    with torch.no_grad():
+        layer.train()(torch.randn(64, D_MODEL) * 2 + 0.5)
+    return layer.eval()
+
+
+def _base_with_layers(family: str, num_layers: int):
+    from tests.conftest import tiny_base_config
+
+    config = tiny_base_config(family)
+    config.num_hidden_layers = num_layers
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_every_kind_round_trips_through_remote_code_in_one_process(tmp_path):
+    """One folder per family holding its share of the kinds (each kind's variant, then its tiny spec, on consecutive
+    layers), all loaded through remote code by one fresh interpreter that cannot import expertize: the same
+    parameters and buffers (no missing or stray keys), logits, greedy tokens and logits under an ablation in every
+    sparse layer; and the same in process. (The headless model and the refusal without trust_remote_code are the
+    family's, tests/test_splice_roundtrip.py.)"""
+    from expertize.conversion.surgery.splice import load_expertize_model, save_model, splice
+
+    plan, expected, tokenizer = {}, {}, tiny_tokenizer()
+    input_ids = torch.randint(4, 99, (2, 6), generator=torch.Generator().manual_seed(0))
+    for f, family in enumerate(FAMILY_NAMES):
+        kinds = KINDS[f :: len(FAMILY_NAMES)]
+        base = _base_with_layers(family, 2 * len(kinds))
+        shape = FAMILIES[family].config_class(**base.config.to_dict()).mlp_shape()
+        layers = {2 * j + tiny: _trained_like(kind, shape, not tiny, 10 * f + 2 * j + tiny)
+                  for j, kind in enumerate(kinds) for tiny in (0, 1)}
+        model = splice(base, layers)
+        model.generation_config.eos_token_id = None  # random weights may say EOS early; the check counts 4 new tokens
+        ablated, codes, mlps = {}, {}, model.sparse_layers()
+        handles = [mlp.code_hook.register_forward_hook(lambda m, a, code, i=i: codes.setdefault(i, code))
+                   for i, mlp in mlps.items()]
+        with torch.no_grad():
+            logits = model(input_ids).logits
+            for handle in handles:
+                handle.remove()
+            for index, mlp in mlps.items():
+                index_, weights = codes[index].top_k_index[0, 0], codes[index].top_k_weights[0, 0]
+                units = index_[weights != 0][:2].tolist()  # units the first token uses
+                with mlp.intervene(ablate=units):
+                    ablated[index] = (units, model(input_ids).logits)
+                assert not torch.allclose(ablated[index][1], logits), (family, index)
+        greedy = model.generate(input_ids[:1, :3], max_new_tokens=4, do_sample=False)[0].tolist()
+        folder = tmp_path / f"model_{family}"
+        save_model(model, folder, tokenizer=tokenizer)
+        for kind in kinds:  # the kind's own file travels with the model
+            assert (folder / f"{ROWS[kind].layer_class.__module__.rsplit('.', 1)[-1]}.py").is_file(), kind
+        torch.save({"input_ids": input_ids, "logits": logits, "greedy": greedy, "ablated": ablated,
+                    "state": model.state_dict()}, tmp_path / f"{family}.pt")
+        plan[family] = (str(folder), str(tmp_path / f"{family}.pt"), FAMILIES[family].blocks_path)
+        expected[family] = [type(layers[i]).__name__ for i in sorted(layers)]
+        reloaded = load_expertize_model(folder)
+        for key, value in model.state_dict().items():  # loaded buffers are not re-initialized either
+            torch.testing.assert_close(reloaded.state_dict()[key], value, rtol=0, atol=0, msg=key)
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(input_ids).logits, logits)
+    assert sorted(k for f in range(len(FAMILY_NAMES)) for k in KINDS[f :: len(FAMILY_NAMES)]) == KINDS
+    out = run_isolated(REMOTE_EVERY_KIND, tmp_path, timeout=600, args=(json.dumps(plan),))
+    assert json.loads(out.strip().splitlines()[-1]) == expected
+
+
+def _recipe_layer(row: KindRow) -> dict:
+    """The row's tiny layer as a recipe `layer:` section, sized by parameter matching (its `size_field`)."""
+    from expertize.conversion.recipe.layer_config import SPEC_FIELDS_FROM_RECIPE
+
+    size = row.spec_class.size_field()
+    fields = {k: v for k, v in row.fields.items() if k not in (size, "decoder_init")}  # the kind's own init
+    top = {k: v for k, v in fields.items() if k in SPEC_FIELDS_FROM_RECIPE}
+    options = {k: v for k, v in fields.items() if k not in SPEC_FIELDS_FROM_RECIPE}
+    return {"kind": row.kind, "match_transcoder": 4, **top, **({"options": options} if options else {})}
+
+
+def _next_valid(spec, field: str):
+    """The spec with the smallest valid `field` value above its own (Monet's widths come in steps)."""
+    for value in range(getattr(spec, field) + 1, getattr(spec, field) + 65):
+        try:
+            return spec_from_dict({**spec.to_dict(), field: value})
+        except ValueError:
+            continue
+    raise AssertionError(f"no valid {field} above {getattr(spec, field)}")
+
+
+def test_every_kind_distils_through_the_pipeline(tiny_run):
+    """One upcycle run, every kind a variant on one activation stream: each sized by parameter matching to a 4x
+    transcoder, its MLP-derived fields from the base model, trained (the loss falls), spliced and evaluated (finite
+    FVU, L0 within the code). How well a kind learns is its benchmark's business (benchmarks/), not this budget's."""
+    from expertize.conversion.recipe import recipe_from_dict
+    from expertize.conversion.upcycle import upcycle
+    from expertize.modeling import MlpShape
+    from expertize.modeling.sparse_base import canonical_activation
+
+    tmp_path, tree = tiny_run
+    tree["layers"] = [1]
+    tree["data"].update(train_tokens=4096, eval_tokens=256)
+    tree["train"].update(checkpoint_every=0)
+    tree["eval"].update(generation_prompts=0)
+    tree["layer"] = _recipe_layer(ROWS[KINDS[0]])  # a variant of the same kind is merged over it
+    tree["variants"] = [{"name": kind, "layer": _recipe_layer(ROWS[kind])} for kind in KINDS]
+    out = upcycle(recipe_from_dict(tree), progress=False)
+    budget = 128 * (32 + 1) + 128 * 32 + 32  # a transcoder of 4 x 32 latents: 8,352 parameters
+    llama = MlpShape(32, 37, "silu", True)  # the tiny Llama's MLP
+    for kind in KINDS:
+        folder, row = out / kind, ROWS[kind]
+        spec = spec_from_dict(json.loads((folder / "config.json").read_text())["sparse_layers"]["1"])
+        size = row.spec_class.size_field()
+        assert spec.kind == kind
+        if size == "num_latents":  # dictionaries get exactly match_transcoder x d_in latents (the recipe's rule)
+            assert spec.num_latents == 128
+        else:  # the largest size within the transcoder's parameter count
+            assert spec.num_parameters() <= budget < _next_valid(spec, size).num_parameters()
+        derived = row.spec_class.mlp_defaults(llama)
+        derived = {k: canonical_activation(v) if k == "activation" else v for k, v in derived.items()
+                   if k not in row.fields and k != size}
+        assert derived.items() <= spec.to_dict().items(), (kind, derived)
+        metrics = json.loads((folder / "metrics.json").read_text())["layers"]["1"]
+        assert 0 <= metrics["fvu"] < float("inf"), (kind, metrics)
+        assert 0 < metrics["l0"] <= (spec.k if row.selects_top_k else build_sparse_layer(spec).num_units), kind
+        log = [json.loads(line) for line in (folder / "train_log.jsonl").read_text().splitlines()]
+        assert log[-1]["loss"] < log[0]["loss"], kind

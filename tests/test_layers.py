@@ -1,6 +1,6 @@
-"""Sparse layers: the fast factorized / gathered forms equal explicit references, in float64, outputs and gradients."""
-
-import dataclasses
+"""MxD and transcoders: the fast factorized / gathered forms equal explicit references, in float64, outputs and
+gradients; the papers' parameter matching; steering and ablation against the formulas; kind facts. What every kind
+keeps (spec round trip, errors, code hook, ...) is tests/test_kind_contract.py's battery."""
 
 import pytest
 import torch
@@ -14,9 +14,8 @@ from expertize.modeling import (
     SkipTranscoderSpec,
     TranscoderLayer,
     TranscoderSpec,
-    build_sparse_layer,
-    spec_from_dict,
 )
+from tests.kinds import assert_same_with_grads, check_spec, randomized
 from tests.reference import (
     mxd_dense,
     mxd_hidden_reference,
@@ -25,33 +24,6 @@ from tests.reference import (
 )
 
 I, O, H, N, K = 6, 5, 7, 11, 3
-
-
-def _randomize(layer: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """float64 and every parameter random (the paper's init zeroes D, which would hide bugs)."""
-    gen = torch.Generator().manual_seed(seed)
-    layer.double()
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    return layer
-
-
-def _grads(layer, fn, x):
-    x = x.clone().requires_grad_(True)
-    layer.zero_grad()
-    out = fn(x)
-    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
-    return out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
-
-
-def _assert_same(layer, fast, slow, x):
-    out_f, gx_f, gp_f = _grads(layer, fast, x)
-    out_s, gx_s, gp_s = _grads(layer, slow, x)
-    torch.testing.assert_close(out_f, out_s, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(gx_f, gx_s, rtol=1e-10, atol=1e-10)
-    for name in gp_f:
-        torch.testing.assert_close(gp_f[name], gp_s[name], rtol=1e-10, atol=1e-10, msg=f"grad of {name}")
 
 
 MXD_VARIANTS = [
@@ -66,34 +38,34 @@ MXD_VARIANTS = [
 @pytest.mark.parametrize("variant", MXD_VARIANTS, ids=lambda v: f"{v['encoder']}-{v['activation']}")
 def test_mxd_factorized_equals_materialized_experts(variant):
     """Lemma 2: (Cᵀa) * (Dᵀz) + b == Σ_n a_n (D diag(c_n))ᵀ z + b."""
-    layer = _randomize(MxdLayer(MxdSpec(d_in=I, d_out=O, d_hidden=H, num_experts=N, k=K, **variant)))
+    layer = randomized(MxdLayer(MxdSpec(d_in=I, d_out=O, d_hidden=H, num_experts=N, k=K, **variant)))
     x = torch.randn(4, 5, I, dtype=torch.float64)
     torch.testing.assert_close(layer(x), mxd_materialized(layer, x.view(-1, I)).view(4, 5, O), rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("variant", MXD_VARIANTS, ids=lambda v: f"{v['encoder']}-{v['activation']}")
 def test_mxd_gather_path_equals_dense_reference_with_gradients(variant):
-    layer = _randomize(MxdLayer(MxdSpec(d_in=I, d_out=O, d_hidden=H, num_experts=N, k=K, **variant)))
-    _assert_same(layer, layer, lambda x: mxd_dense(layer, x), torch.randn(9, I, dtype=torch.float64))
+    layer = randomized(MxdLayer(MxdSpec(d_in=I, d_out=O, d_hidden=H, num_experts=N, k=K, **variant)))
+    assert_same_with_grads(layer, layer, lambda x: mxd_dense(layer, x), torch.randn(9, I, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("variant", MXD_VARIANTS, ids=lambda v: f"{v['encoder']}-{v['activation']}")
 def test_mxd_hidden_uses_the_named_activation(variant):
-    layer = _randomize(MxdLayer(MxdSpec(d_in=I, d_out=O, d_hidden=H, num_experts=N, k=K, **variant)))
+    layer = randomized(MxdLayer(MxdSpec(d_in=I, d_out=O, d_hidden=H, num_experts=N, k=K, **variant)))
     x = torch.randn(9, I, dtype=torch.float64)
     torch.testing.assert_close(layer.hidden(x), mxd_hidden_reference(layer, x), rtol=1e-10, atol=1e-10)
 
 
 def test_mxd_expert_weight_is_d_diag_c():
-    layer = _randomize(MxdLayer(MxdSpec(d_in=I, d_out=O, d_hidden=H, num_experts=N, k=K)))
+    layer = randomized(MxdLayer(MxdSpec(d_in=I, d_out=O, d_hidden=H, num_experts=N, k=K)))
     torch.testing.assert_close(layer.expert_weight(3), layer.W_dec @ torch.diag(layer.W_experts[3]))
 
 
 @pytest.mark.parametrize("skip", [False, True])
 def test_transcoder_gather_path_equals_dense_reference_with_gradients(skip):
     spec_cls = SkipTranscoderSpec if skip else TranscoderSpec
-    layer = _randomize(TranscoderLayer(spec_cls(d_in=I, d_out=O, num_latents=N, k=K)))
-    _assert_same(layer, layer, lambda x: transcoder_dense(layer, x), torch.randn(9, I, dtype=torch.float64))
+    layer = randomized(TranscoderLayer(spec_cls(d_in=I, d_out=O, num_latents=N, k=K)))
+    assert_same_with_grads(layer, layer, lambda x: transcoder_dense(layer, x), torch.randn(9, I, dtype=torch.float64))
 
 
 def test_paper_initialization():
@@ -107,23 +79,11 @@ def test_paper_initialization():
     assert plain.W_skip is None and plain.W_dec.abs().sum() > 0
 
 
-@pytest.mark.parametrize(
-    "spec",
-    [
-        MxdSpec(d_in=I, d_out=O, d_hidden=H, num_experts=N, k=K),
-        MxdSpec(d_in=I, d_out=O, d_hidden=H, num_experts=N, k=K, encoder="glu", activation="silu"),
-        MxdSpec(d_in=I, d_out=O, d_hidden=H, num_experts=N, k=K, encoder="glu", encoder_bias=False),
-        TranscoderSpec(d_in=I, d_out=O, num_latents=N, k=K),
-        SkipTranscoderSpec(d_in=I, d_out=O, num_latents=N, k=K),
-    ],
-    ids=lambda s: s.kind,
-)
-def test_spec_counts_parameters_and_round_trips(spec):
-    layer = build_sparse_layer(spec)
-    assert spec.num_parameters() == sum(p.numel() for p in layer.parameters())
-    assert spec_from_dict(spec.to_dict()) == spec
+@pytest.mark.parametrize("variant", MXD_VARIANTS, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()))
+def test_mxd_counts_parameters_in_every_variant(variant):
+    spec = MxdSpec(d_in=I, d_out=O, d_hidden=H, num_experts=N, k=K, **variant)
+    check_spec(spec)
     assert spec.active_parameters() < spec.num_parameters()
-    assert spec.flops_per_token() > 0
 
 
 def test_parameter_matching_reproduces_mxd_paper_table_2():
@@ -165,7 +125,7 @@ def test_generic_parameter_matching_steps_down_to_a_valid_value():
 
 def test_steering_adds_lambda_times_expert_output():
     """The paper's steering a_n += λ after TopK gives y + λ c_n * (Dᵀz), whether or not n was selected."""
-    layer = _randomize(MxdLayer(MxdSpec(d_in=I, d_out=O, d_hidden=H, num_experts=N, k=K)))
+    layer = randomized(MxdLayer(MxdSpec(d_in=I, d_out=O, d_hidden=H, num_experts=N, k=K)))
     x = torch.randn(8, I, dtype=torch.float64)
     base = layer(x)
     selected = layer.encode(x).top_k_index
@@ -178,7 +138,7 @@ def test_steering_adds_lambda_times_expert_output():
 
 
 def test_ablation_zeroes_selected_experts_only():
-    layer = _randomize(MxdLayer(MxdSpec(d_in=I, d_out=O, d_hidden=H, num_experts=N, k=K)))
+    layer = randomized(MxdLayer(MxdSpec(d_in=I, d_out=O, d_hidden=H, num_experts=N, k=K)))
     x = torch.randn(8, I, dtype=torch.float64)
     code = layer.encode(x)
     ablated = {int(code.top_k_index[0, 0]), int(code.top_k_index[1, 1])}
@@ -190,23 +150,14 @@ def test_ablation_zeroes_selected_experts_only():
     torch.testing.assert_close(layer(x), mxd_dense(layer, x))
 
 
-def test_code_hook_exposes_and_edits_the_code():
-    layer = _randomize(TranscoderLayer(TranscoderSpec(d_in=I, d_out=O, num_latents=N, k=K)))
+def test_transcoder_code_is_relu_topk_and_a_zero_code_leaves_the_bias():
+    layer = randomized(TranscoderLayer(TranscoderSpec(d_in=I, d_out=O, num_latents=N, k=K)))
     x = torch.randn(4, I, dtype=torch.float64)
-    seen = []
-    handle = layer.code_hook.register_forward_hook(lambda mod, args, out: seen.append(out))
-    layer(x)
-    handle.remove()
-    assert seen[0].top_k_index.shape == (4, K) and (seen[0].top_k_weights >= 0).all()
+    code = layer.encode(x)
+    assert code.top_k_index.shape == (4, K) and (code.top_k_weights >= 0).all()
     handle = layer.code_hook.register_forward_hook(lambda mod, args, out: out._replace(top_k_weights=out.top_k_weights * 0))
     torch.testing.assert_close(layer(x), layer.b_dec.expand(4, O))
     handle.remove()
-
-
-def test_intervention_errors_name_the_range():
-    layer = MxdLayer(MxdSpec(d_in=I, d_out=O, d_hidden=H, num_experts=N, k=K))
-    with pytest.raises(ValueError, match=r"unit id\(s\) \[11\] out of range: this layer has 11 units"):
-        layer.steer(N, 1.0)
 
 
 def test_random_k_draws_k_in_paper_range_only_in_training():
@@ -227,39 +178,7 @@ def test_unit_norm_experts():
     torch.testing.assert_close((layer.W_experts.grad * layer.W_experts).sum(-1), torch.zeros(N), atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize(
-    "data, message",
-    [
-        (dict(kind="mxd", d_in=8, d_out=8, d_hidden=16, num_experts=4, k=8), r"mxd.k=8 exceeds mxd.num_experts=4"),
-        (dict(kind="transcoder", d_in=8, d_out=8, num_latents=4, k=5), r"transcoder.k=5 exceeds"),
-        (dict(kind="moe_magic", d_in=8, d_out=8), r"unknown sparse layer kind 'moe_magic'; known kinds: \["),
-        (dict(kind="mxd", d_in=8, d_out=8, d_hidden=16, num_experts=4, k=2, experts=3), r"unknown field\(s\) \['experts'\]"),
-        (dict(kind="mxd", d_in=8, d_out=8, d_hidden=16, num_experts=4, k=2, activation="tanh"), r"activation 'tanh'"),
-        (dict(kind="mxd", d_in=8, d_out=8, d_hidden=16, num_experts=4, k=2.5), r"mxd.k must be an integer"),
-        (dict(kind="mxd", d_in=8, d_out=8, k=2), r"needs field\(s\) \['d_hidden', 'num_experts'\]"),
-        (dict(kind="mxd", d_in=8, d_out=8, d_hidden=16, num_experts=4, k=2, encoder="moe"), r"mxd.encoder must be one of"),
-    ],
-)
-def test_spec_errors(data, message):
-    with pytest.raises(ValueError, match=message):
-        spec_from_dict(data)
-
-
-# -- kind facts ----------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("kind", sorted(LAYER_KINDS))
-def test_every_kind_declares_its_facts_on_its_spec_class(kind):
-    """What the recipe and the card know about a kind is read from its spec class, so each registered kind has it."""
-    spec_cls = LAYER_KINDS[kind][0]
-    fields = {f.name for f in dataclasses.fields(spec_cls)}
-    assert spec_cls.kind == kind and spec_cls.title and spec_cls.title != kind
-    assert spec_cls.unit_name in ("expert", "latent")
-    assert spec_cls.units_field in fields and spec_cls.size_field() in fields
-    assert spec_cls.citation.startswith("@article{") and "url           = {https://arxiv.org/abs/" in spec_cls.citation
-    assert spec_cls.init_modes[0] == "default" and spec_cls.match_conventions[0] == "exact"
-    defaults = spec_cls.mlp_defaults(MlpShape(16, 64, "gelu_new", False), init="default", num_units=None)
-    assert set(defaults) <= fields
+# -- kind facts (that every kind declares them: tests/test_kind_contract.py) ------------------------------------------
 
 
 def test_kind_facts_that_differ_between_kinds():

@@ -1,18 +1,17 @@
 """MoE-X layer: router formula, sorted dispatch vs a per-token reference (outputs and gradients), load-balance loss,
-the scaled code and interventions, spec counts and errors, remote-code round trip, and LoRA on the 3-D experts."""
+the scaled code and interventions, the spec's counts (the paper's) and its own errors, and LoRA on the 3-D experts.
+What every kind keeps (round trips, generic errors, code hook edits, ...) is tests/test_kind_contract.py's battery."""
 
-import json
 import math
 
 import pytest
 import torch
 from torch import nn
 
-from expertize.conversion.surgery.splice import splice
-from expertize.modeling import MoeXLayer, MoeXSpec, build_sparse_layer, spec_from_dict
+from expertize.modeling import MoeXLayer, MoeXSpec
 from expertize.modeling.moe_x import ROUTER_EPS
 from expertize.modeling.sparse_base import ACTIVATIONS, SparseCode, sparse_rows_sum
-from tests.conftest import D_HIDDEN, D_MODEL, check_remote_roundtrip, tiny_base_model
+from tests.kinds import assert_same_with_grads, check_spec, randomized
 
 I, O, D, M, K = 6, 5, 7, 5, 2
 
@@ -20,12 +19,7 @@ I, O, D, M, K = 6, 5, 7, 5, 2
 def _layer(seed: int = 0, **fields) -> MoeXLayer:
     """float64, every parameter random (zero biases would hide bugs)."""
     fields = {"d_in": I, "d_out": O, "d_expert": D, "num_experts": M, "k": K, **fields}
-    layer = MoeXLayer(MoeXSpec(**fields)).double()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    return layer
+    return randomized(MoeXLayer(MoeXSpec(**fields)), seed)
 
 
 def _x(T: int = 13, seed: int = 1) -> torch.Tensor:
@@ -138,26 +132,10 @@ def test_router_statistics_run_in_float32_for_bf16_inputs():
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
 def test_sorted_dispatch_equals_per_token_reference_with_gradients(variant):
     layer = _layer(**variant)
-    x0 = _x(T=17)
-    weights = torch.linspace(-1, 1, 17 * O, dtype=torch.float64).view(17, O)
-
-    def grads(fn):
-        x = x0.clone().requires_grad_(True)
-        layer.zero_grad()
-        out = fn(x)
-        (out * weights).sum().backward()
-        return out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
-
-    out_f, gx_f, gp_f = grads(layer)
-    out_r, gx_r, gp_r = grads(lambda x: reference_forward(layer, x))
-    torch.testing.assert_close(out_f, out_r, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(gx_f, gx_r, rtol=1e-10, atol=1e-10)
-    assert gp_f.keys() == gp_r.keys()
-    for name in gp_f:
-        torch.testing.assert_close(gp_f[name], gp_r[name], rtol=1e-10, atol=1e-10, msg=f"grad of {name}")
+    assert_same_with_grads(layer, layer, lambda x: reference_forward(layer, x), _x(T=17))
     if variant.get("gate_scaling") != "none":  # softmax gates carry the task gradient into the router
         router_param = "W_router" if variant.get("router") == "switch" else "W_enc"
-        assert gp_f[router_param].abs().sum() > 0
+        assert getattr(layer, router_param).grad.abs().sum() > 0
 
 
 def test_leading_dims_and_dtype_are_kept():
@@ -255,27 +233,15 @@ def test_ablating_experts_drops_their_contribution_without_renormalizing():
         layer.steer(M * D, 1.0)
 
 
-def test_code_hook_reads_and_edits_the_code():
+def test_code_hook_edits_take_the_dispatched_or_the_gather_path():
+    """(In place and by replacement alike for every kind: tests/test_kind_contract.py.)"""
     layer = _layer()
     x = _x()
-    seen = []
-    handle = layer.code_hook.register_forward_hook(lambda mod, args, out: seen.append(out))
-    layer(x)
-    handle.remove()
-    assert seen[0].top_k_index.shape == (13, K * D)
     # Halving the values (same units) stays on the dispatched path and halves the expert part.
     handle = layer.code_hook.register_forward_hook(lambda m, a, out: out._replace(top_k_weights=out.top_k_weights / 2))
     halved = layer(x)
     handle.remove()
     torch.testing.assert_close(halved, (layer(x) + layer.b_dec) / 2)
-    # In place (how nnsight writes `code_hook.output.top_k_weights[...] = ...`) must count as an edit too.
-    def halve_in_place(module, args, out):
-        out.top_k_weights.mul_(0.5)  # returns None: the hook keeps the (edited) output
-
-    handle = layer.code_hook.register_forward_hook(halve_in_place)
-    in_place = layer(x)
-    handle.remove()
-    torch.testing.assert_close(in_place, halved)
     # Rewriting which units fire, in place, takes the generic gather path.
     edited = []
 
@@ -294,12 +260,8 @@ def test_code_hook_reads_and_edits_the_code():
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
-def test_spec_counts_parameters_and_round_trips(variant):
-    spec = MoeXSpec(**{"d_in": I, "d_out": O, "d_expert": D, "num_experts": M, "k": K, **variant})
-    layer = build_sparse_layer(spec)
-    assert spec.num_parameters() == sum(p.numel() for p in layer.parameters())
-    assert spec_from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
-    assert spec.active_parameters() <= spec.num_parameters()
+def test_spec_counts_parameters_in_every_variant(variant):
+    check_spec(MoeXSpec(**{"d_in": I, "d_out": O, "d_expert": D, "num_experts": M, "k": K, **variant}))
 
 
 def test_counts_match_the_paper_gpt2_small():
@@ -310,36 +272,6 @@ def test_counts_match_the_paper_gpt2_small():
     assert spec.active_parameters() == 2 * (mlp - 768) + 768
     assert 124_439_808 + 12 * (spec.active_parameters() - mlp) == pytest.approx(180e6, rel=0.01)  # all 12 layers
     assert spec.flops_per_token() == 2 * 2 * (768 * 3072 + 3072 * 768) + 2 * 2 * 768 * 8 + 768
-
-
-@pytest.mark.parametrize(
-    "fields, message",
-    [
-        (dict(k=6), r"moe_x.k=6 exceeds moe_x.num_experts=5"),
-        (dict(router="linear"), r"moe_x.router must be one of \['sparsity', 'switch'\], got 'linear'"),
-        (dict(sigma_mode="sigma"), r"moe_x.sigma_mode must be one of"),
-        (dict(gate_scaling="sigmoid"), r"moe_x.gate_scaling must be one of"),
-        (dict(load_balance_counting="all"), r"moe_x.load_balance_counting must be one of"),
-        (dict(load_balance_coef=-0.1), r"moe_x.load_balance_coef must be a finite number >= 0, got -0.1"),
-        (dict(load_balance_coef=True), r"moe_x.load_balance_coef must be a finite number"),
-        (dict(d_expert=0), r"moe_x.d_expert must be >= 1, got 0"),
-        (dict(num_experts=2.0), r"moe_x.num_experts must be an integer"),
-        (dict(expert_bias="yes"), r"moe_x.expert_bias must be true or false"),
-        (dict(activation="tanh"), r"activation 'tanh' is not supported"),
-        (dict(bias_aware_router=True), r"bias_aware_router=true needs expert_bias=true"),
-        (dict(router="switch", sigma_mode="var_literal"), r"only apply to router='sparsity'"),
-        (dict(experts=4), r"unknown field\(s\) \['experts'\]"),
-    ],
-)
-def test_spec_errors(fields, message):
-    data = {"kind": "moe_x", "d_in": I, "d_out": O, "d_expert": D, "num_experts": M, "k": K, **fields}
-    with pytest.raises(ValueError, match=message):
-        spec_from_dict(data)
-
-
-def test_spec_needs_d_expert():
-    with pytest.raises(ValueError, match=r"needs field\(s\) \['d_expert'\]"):
-        spec_from_dict({"kind": "moe_x", "d_in": I, "d_out": O})
 
 
 def test_reset_parameters_gives_a_working_layer():
@@ -353,29 +285,6 @@ def test_reset_parameters_gives_a_working_layer():
     paper = MoeXLayer(MoeXSpec(d_in=I, d_out=O, d_expert=D, num_experts=M, k=K, decoder_init="paper"))
     assert paper.W_dec.abs().max() <= 1 / D**0.5 and paper.W_dec.abs().sum() > 0
     assert torch.isfinite(paper(x)).all() and paper(x).abs().sum() > 0
-
-
-# -- save -> remote code -> same logits ----------------------------------------------------------------------------
-
-
-def test_remote_code_roundtrip_gpt2(tmp_path, tokenizer):
-    base = tiny_base_model("gpt2")
-    torch.manual_seed(3)
-    layers = {
-        0: MoeXLayer(MoeXSpec(d_in=D_MODEL, d_out=D_MODEL, d_expert=D_HIDDEN, num_experts=4, k=2, expert_bias=True,
-                              bias_aware_router=True)),
-        1: MoeXLayer(MoeXSpec(d_in=D_MODEL, d_out=D_MODEL, d_expert=10, num_experts=6, k=2, router="switch",
-                              expert_glu=True, activation="gelu_new")),
-    }
-    with torch.no_grad():
-        for layer in layers.values():
-            layer.b_dec.normal_(0, 0.1)
-    model = splice(base, layers)
-    report, input_ids, logits = check_remote_roundtrip(model, tmp_path, "transformer.h", tokenizer)
-    with torch.no_grad():
-        assert not torch.allclose(logits, base(input_ids).logits)
-    assert (tmp_path / "model" / "moe_x.py").is_file()
-    assert report["sparse"] == ["MoeXLayer", "MoeXLayer"]
 
 
 # -- PEFT LoRA on the 3-D expert weights ------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Monet-HD / Monet-VD: factorized forward == materialized experts (outputs and gradients, float64), exact product-
-expert masking, quantile routing, auxiliary losses, counts, bundle round trip and a distillation run."""
+expert masking, quantile routing, auxiliary losses, the paper's counts, and the recipe's hidden-width error. What
+every kind keeps (round trips, a distillation, generic errors, dtypes, ...) is tests/test_kind_contract.py's battery."""
 
 import dataclasses
-import json
 import math
 
 import pytest
@@ -10,11 +10,12 @@ import torch
 
 from expertize.conversion.recipe.param_match import match_parameter_count
 from expertize.conversion.recipe import RecipeError, recipe_from_dict
-from expertize.conversion.surgery.splice import load_expertize_model, save_model, splice
 from expertize.conversion.upcycle import upcycle
-from expertize.modeling import MonetHDSpec, MonetRouting, MonetVDSpec, build_sparse_layer, spec_from_dict
+from expertize.modeling import MonetHDSpec, MonetRouting, MonetVDSpec, build_sparse_layer
 from tests import reference_monet as ref
-from tests.conftest import D_MODEL, run_isolated, tiny_base_model, tiny_tokenizer, write_corpus
+from tests.conftest import tiny_base_model, tiny_tokenizer, write_corpus
+from tests.kinds import assert_same_with_grads, check_spec
+from tests.kinds import randomized as random_parameters
 
 I, O, S, R = 6, 8, 4, 3  # d_in, d_out, sub-experts per side (N = 16), heads
 N = S * S
@@ -28,11 +29,9 @@ def make(kind: str = "hd", **fields):
 
 def randomized(layer, seed: int = 0):
     """float64, every parameter random (the init's zero biases would hide bugs), running statistics off (0, 1)."""
-    gen = torch.Generator().manual_seed(seed)
-    layer.double()
+    random_parameters(layer, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
         for name, buffer in layer.named_buffers():
             if name.startswith("running_mean"):
                 buffer.copy_(torch.randn(buffer.shape, generator=gen, dtype=buffer.dtype))
@@ -43,23 +42,6 @@ def randomized(layer, seed: int = 0):
 
 def tokens(n: int = 12, d: int = I, seed: int = 1) -> torch.Tensor:
     return torch.randn(n, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-
-
-def grads(layer, fn, x):
-    x = x.clone().requires_grad_(True)
-    layer.zero_grad()
-    out = fn(x)
-    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
-    return out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
-
-
-def assert_same_with_grads(layer, fast, slow, x):
-    out_f, gx_f, gp_f = grads(layer, fast, x)
-    out_s, gx_s, gp_s = grads(layer, slow, x)
-    torch.testing.assert_close(out_f, out_s, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(gx_f, gx_s, rtol=1e-10, atol=1e-10)
-    for name in gp_f:
-        torch.testing.assert_close(gp_f[name], gp_s[name], rtol=1e-10, atol=1e-10, msg=f"grad of {name}")
 
 
 VARIANTS = [
@@ -160,27 +142,6 @@ def test_steering_adds_lambda_times_the_product_expert(kind):
         with layer.intervene(steer={unit: 2.5}):
             torch.testing.assert_close(layer(x), base + 2.5 * E[:, unit], rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(layer(x), base)
-
-
-@pytest.mark.parametrize("in_place", [False, True])
-def test_code_hook_edits_reach_the_output(in_place):
-    layer = randomized(make("hd")).eval()
-    x = tokens(5)
-    seen = []
-
-    def hook(module, args, code):
-        seen.append(code)
-        if in_place:
-            code.top_k_weights.mul_(0)
-            return None
-        return code._replace(top_k_weights=code.top_k_weights * 0)
-
-    handle = layer.code_hook.register_forward_hook(hook)
-    with torch.no_grad():
-        out = layer(x)
-    handle.remove()
-    assert len(seen) == 1
-    torch.testing.assert_close(out, layer.b_dec.detach().expand(5, O))
 
 
 # -- routing ------------------------------------------------------------------------------------------------------
@@ -298,11 +259,10 @@ def test_aux_loss_only_when_training_or_asked():
 
 @pytest.mark.parametrize("kind", ["hd", "vd"])
 @pytest.mark.parametrize("routing", ["quantile", "topk"])
-def test_spec_counts_parameters_and_round_trips(kind, routing):
+def test_spec_counts_sub_experts_and_the_parameters_heads_reach(kind, routing):
     spec = SPECS[kind](d_in=I, d_out=O, d_hidden=24, num_experts=36, k=2, num_heads=2, routing=routing)
+    check_spec(spec)
     layer = build_sparse_layer(spec)
-    assert spec.num_parameters() == sum(p.numel() for p in layer.parameters())
-    assert spec_from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
     assert spec.num_sub_experts == 6 and spec.expert_dim == 4
     assert spec.active_parameters() < spec.num_parameters() and spec.flops_per_token() > 0  # heads reach 4 of 6
     every = dataclasses.replace(spec, num_heads=3)  # 3 heads x k = 2 can reach all 6 sub-experts per side
@@ -346,104 +306,12 @@ def test_initialization(kind):
     assert torch.equal(layer.running_mean1, torch.zeros(R)) and torch.equal(layer.running_var2, torch.ones(R))
 
 
-@pytest.mark.parametrize("kind", ["hd", "vd"])
-def test_forward_keeps_shape_and_dtype(kind):
-    layer = make(kind).to(torch.bfloat16).eval()
-    x = torch.randn(2, 3, I, dtype=torch.bfloat16)
-    out = layer(x)
-    assert out.shape == (2, 3, O) and out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    with layer.intervene(ablate=[0, 5]):
-        assert layer(x).dtype == torch.bfloat16
-
-
-@pytest.mark.parametrize(
-    "data, message",
-    [
-        (dict(num_experts=20), r"monet_hd.num_experts must be a perfect square.*got 20; the nearest are 16 and 25"),
-        (dict(num_experts=1), r"monet_hd.num_experts must be >= 4"),
-        (dict(k=5), r"monet_hd.k=5 exceeds √num_experts=4"),
-        (dict(d_hidden=37), r"monet_hd.d_hidden=37 must be a multiple of 4.*use 36 or 40"),
-        (dict(kind="monet_vd", d_hidden=12), r"monet_vd.d_hidden=12 must be a multiple of 8.*halves; use 8 or 16"),
-        (dict(kind="monet_vd", d_out=7), r"monet_vd.d_out must be even"),
-        (dict(routing="sorted"), r"monet_hd.routing must be one of \['quantile', 'topk'\]"),
-        (dict(activation="tanh"), r"activation 'tanh' is not supported; choose one of .*relu2"),
-        (dict(ambiguity_coef=-1.0), r"monet_hd.ambiguity_coef must be >= 0"),
-        (dict(uniformity_coef="high"), r"monet_hd.uniformity_coef must be a finite number"),
-        (dict(bn_momentum=0), r"monet_hd.bn_momentum must lie in \(0, 1\]"),
-        (dict(num_heads=0), r"monet_hd.num_heads must be >= 1"),
-        (dict(experts=3), r"unknown field\(s\) \['experts'\]"),
-    ],
-)
-def test_spec_errors(data, message):
-    fields = {"kind": "monet_hd", "d_in": 8, "d_out": 8, "d_hidden": 16, "num_experts": 16, "k": 2, **data}
-    with pytest.raises(ValueError, match=message):
-        spec_from_dict(fields)
-
-
 def test_spec_normalizes_activation_alias_and_integer_coefficients():
     spec = MonetHDSpec(d_in=8, d_out=8, d_hidden=16, num_experts=16, k=2, activation="swish", uniformity_coef=0)
     assert spec.activation == "silu" and spec.uniformity_coef == 0.0 and isinstance(spec.uniformity_coef, float)
 
 
-# -- bundle: save, remote-code load ---------------------------------------------------------------------------------
-
-REMOTE_CHECK = """
-import json, torch
-from transformers import AutoModelForCausalLM
-ref = torch.load("reference.pt")
-model, info = AutoModelForCausalLM.from_pretrained("model", trust_remote_code=True, output_loading_info=True)
-assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
-assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-layers = [block.mlp for block in model.transformer.h]
-torch.testing.assert_close(layers[0].running_var1, ref["running_var1"], rtol=0, atol=0)
-with torch.no_grad():
-    torch.testing.assert_close(model(ref["input_ids"]).logits, ref["logits"], rtol=1e-5, atol=1e-5)
-    with layers[0].intervene(ablate=ref["ablate"]):
-        torch.testing.assert_close(model(ref["input_ids"]).logits, ref["ablated"], rtol=1e-5, atol=1e-5)
-print(json.dumps([type(layer).__name__ for layer in layers]))
-"""
-
-
-def test_save_and_load_through_remote_code(tmp_path, tokenizer):
-    torch.manual_seed(0)
-    layers = {
-        0: build_sparse_layer(MonetHDSpec(d_in=D_MODEL, d_out=D_MODEL, d_hidden=32, num_experts=16, k=2, num_heads=2)),
-        1: build_sparse_layer(MonetVDSpec(d_in=D_MODEL, d_out=D_MODEL, d_hidden=32, num_experts=16, k=2, num_heads=2)),
-    }
-    for layer in layers.values():  # trained-like: non-zero decoders and biases, running statistics away from (0, 1)
-        with torch.no_grad():
-            for name, p in layer.named_parameters():
-                if name.startswith(("b_", "W_down")):
-                    p.normal_(0, 0.1)
-        layer.train()(torch.randn(64, D_MODEL) * 2 + 0.5)
-    assert not torch.equal(layers[0].running_var1, torch.ones(2))
-    model = splice(tiny_base_model("gpt2"), layers)
-    input_ids = torch.randint(4, 99, (2, 6), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        logits = model(input_ids).logits
-        used = model.transformer.h[0].mlp.encode(model.transformer.h[0].ln_2(model.transformer.wte(input_ids)))
-        ablate = used.top_k_index[0, 0, :2].tolist()
-        with model.transformer.h[0].mlp.intervene(ablate=ablate):
-            ablated = model(input_ids).logits
-    assert not torch.allclose(ablated, logits)
-    save_model(model, tmp_path / "model", tokenizer=tokenizer)
-    assert "monet.py" in {p.name for p in (tmp_path / "model").iterdir()}
-    torch.save(
-        {"input_ids": input_ids, "logits": logits, "ablated": ablated, "ablate": ablate,
-         "running_var1": layers[0].running_var1},
-        tmp_path / "reference.pt",
-    )
-    out = run_isolated(REMOTE_CHECK, tmp_path)
-    assert json.loads(out.strip().splitlines()[-1]) == ["MonetHDLayer", "MonetVDLayer"]
-
-    reloaded = load_expertize_model(tmp_path / "model")
-    for name, buffer in layers[1].named_buffers():  # loaded statistics are not re-initialized by _init_weights
-        torch.testing.assert_close(reloaded.transformer.h[1].mlp.get_buffer(name), buffer, rtol=0, atol=0)
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(input_ids).logits, logits)
-
-
-# -- a distillation run through the recipe --------------------------------------------------------------------------
+# -- the recipe -------------------------------------------------------------------------------------------------------
 
 
 def _recipe(tmp_path, layer: dict) -> dict:
@@ -462,21 +330,6 @@ def _recipe(tmp_path, layer: dict) -> dict:
         "eval": {"batch_sequences": 8, "generation_prompts": 2, "prompt_tokens": 3, "continuation_tokens": 4},
         "output_dir": str(tmp_path / "run"),
     }
-
-
-def test_distillation_through_the_recipe(tmp_path):
-    layer = {"kind": "monet_hd", "num_experts": 16, "k": 2, "d_hidden": 32, "options": {"num_heads": 2}}
-    tree = _recipe(tmp_path, layer)
-    tree["train"]["lr"] = 1e-3  # heads are summed (Σ_ij G_ij = R): 3e-3 overshoots early on this tiny model
-    out = upcycle(recipe_from_dict(tree), progress=False)
-    metrics = json.loads((out / "metrics.json").read_text())
-    for stats in metrics["layers"].values():
-        assert 0 <= stats["fvu"] < 1.0, stats  # learned more than the mean
-        assert 0 < stats["l0"] <= 2 * 2**2  # at most R·k² product experts per token under eval-time routing
-    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-    assert log[-1]["loss"] < log[0]["loss"]
-    config = json.loads((out / "config.json").read_text())
-    assert config["sparse_layers"]["0"]["kind"] == "monet_hd" and config["sparse_layers"]["0"]["activation"] == "silu"
 
 
 def test_recipe_names_the_hidden_width_it_cannot_split(tmp_path):

@@ -1,17 +1,14 @@
 """routed_neurons (Secret MoEs): the gathered top-k path against a dense all-neurons reference (float64, outputs and
-gradients), k = m equals a dense softmax-gated MLP, interventions, remote-code round trip and a short distillation."""
-
-import json
+gradients), k = m equals a dense softmax-gated MLP, interventions against the reference, the paper's counts. What
+every kind keeps (round trips, a distillation, the reset guard, bf16, generic errors, ...) is
+tests/test_kind_contract.py's battery."""
 
 import pytest
 import torch
 
-from expertize.conversion.recipe import recipe_from_dict
-from expertize.conversion.surgery.splice import splice
-from expertize.conversion.upcycle import upcycle
 from expertize.modeling import RoutedNeuronsLayer, RoutedNeuronsSpec, build_sparse_layer, spec_from_dict
 from expertize.modeling import sparse_base as sparse_base_module
-from tests.conftest import D_MODEL, check_remote_roundtrip, tiny_base_model
+from tests.kinds import assert_same_with_grads, check_spec, randomized
 from tests.reference_mumoe import ACTIVATIONS
 
 I, O, M, K = 6, 5, 13, 3
@@ -23,12 +20,7 @@ def _spec(**fields) -> RoutedNeuronsSpec:
 
 def _layer(seed: int = 0, **fields) -> RoutedNeuronsLayer:
     """float64, every parameter random (the default init zeroes the output rows, which would hide bugs)."""
-    layer = build_sparse_layer(_spec(**fields)).double()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    return layer
+    return randomized(build_sparse_layer(_spec(**fields)), seed)
 
 
 def router_reference(layer: RoutedNeuronsLayer, x: torch.Tensor) -> torch.Tensor:
@@ -55,14 +47,6 @@ def dense_reference(layer: RoutedNeuronsLayer, x: torch.Tensor, gates: torch.Ten
     return out
 
 
-def _outputs_and_grads(layer, fn, x):
-    x = x.clone().requires_grad_(True)
-    layer.zero_grad()
-    out = fn(x)
-    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
-    return out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
-
-
 VARIANTS = [
     dict(),
     dict(num_shared=4, router_rank=2),
@@ -82,13 +66,7 @@ def test_gathered_path_equals_dense_reference_with_gradients(variant, chunk, mon
         monkeypatch.setattr(sparse_base_module, "GATHER_CHUNK_ELEMENTS", chunk)
     layer = _layer(**variant)
     x = torch.randn(3, 4, I, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    fast = _outputs_and_grads(layer, layer, x)
-    slow = _outputs_and_grads(layer, lambda v: dense_reference(layer, v.view(-1, I)).view(3, 4, O), x)
-    torch.testing.assert_close(fast[0], slow[0], rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(fast[1], slow[1], rtol=1e-10, atol=1e-10)
-    assert fast[2].keys() == slow[2].keys()
-    for name in fast[2]:
-        torch.testing.assert_close(fast[2][name], slow[2][name], rtol=1e-10, atol=1e-10, msg=f"grad of {name}")
+    assert_same_with_grads(layer, layer, lambda v: dense_reference(layer, v.view(-1, I)).view(3, 4, O), x)
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=_variant_id)
@@ -175,26 +153,6 @@ def test_initialization():
     assert full.W_gate_proj is None and full.W_gate.shape == (M, I) and full.W_shared_enc is None
 
 
-def test_reset_parameters_never_touches_loaded_weights():
-    """Under transformers' guard (as while loading), parameters flagged as loaded keep their values."""
-    from transformers.initialization import guard_torch_init_functions
-
-    layer = _layer(num_shared=2, router_rank=3)
-    before = {name: p.detach().clone() for name, p in layer.named_parameters()}
-    for p in layer.parameters():
-        p._is_hf_initialized = True
-    with guard_torch_init_functions():
-        layer.reset_parameters()
-    for name, p in layer.named_parameters():
-        assert torch.equal(p, before[name]), name
-
-
-def test_bf16_in_bf16_out():
-    layer = build_sparse_layer(_spec(num_shared=2, decoder_init="paper")).to(torch.bfloat16)
-    out = layer(torch.randn(2, 3, I, dtype=torch.bfloat16))
-    assert out.dtype == torch.bfloat16 and out.shape == (2, 3, O) and torch.isfinite(out).all()
-
-
 # -- specs -------------------------------------------------------------------------------------------------------
 
 
@@ -203,10 +161,8 @@ def test_bf16_in_bf16_out():
     [_spec(), _spec(num_shared=4), _spec(router_rank=0), _spec(router_rank=None, num_shared=1), _spec(router_rank=20)],
     ids=lambda s: f"r={s.router_rank}-S={s.num_shared}",
 )
-def test_spec_counts_parameters_and_round_trips(spec):
-    layer = build_sparse_layer(spec)
-    assert spec.num_parameters() == sum(p.numel() for p in layer.parameters())
-    assert spec_from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+def test_spec_counts_parameters_in_every_variant(spec):
+    check_spec(spec)
     assert spec.active_parameters() < spec.num_parameters()
 
 
@@ -219,66 +175,3 @@ def test_parameter_and_flop_formulas():
     # The paper's Pythia-410m setting: the low-rank router alone costs ~25.9M MACs per token (digest §4).
     big = RoutedNeuronsSpec(d_in=1024, d_out=1024, num_experts=100_000, k=64, num_shared=64, router_rank=256)
     assert (big.flops_per_token() - 1024) // 2 - 128 * 2048 == 25_862_144
-
-
-@pytest.mark.parametrize(
-    "data, message",
-    [
-        (dict(k=14), r"routed_neurons.k=14 exceeds routed_neurons.num_experts=13"),
-        (dict(num_shared=-1), r"routed_neurons.num_shared must be >= 0, got -1"),
-        (dict(router_rank=-2), r"routed_neurons.router_rank must be >= 0, got -2"),
-        (dict(router_rank=2.5), r"routed_neurons.router_rank must be an integer"),
-        (dict(activation="tanh"), r"activation 'tanh'"),
-        (dict(decoder_init="normal"), r"routed_neurons.decoder_init must be one of \['paper', 'zeros'\]"),
-        (dict(d_hidden=4), r"unknown field\(s\) \['d_hidden'\] for sparse layer kind 'routed_neurons'"),
-    ],
-)
-def test_spec_errors(data, message):
-    with pytest.raises(ValueError, match=message):
-        _spec(**data)
-
-
-# -- save -> remote code, distillation ---------------------------------------------------------------------------
-
-
-def test_roundtrip_through_remote_code(tmp_path):
-    """GPT-NeoX: a low-rank router with shared neurons at layer 0, a full-rank router without at layer 1."""
-    specs = {
-        0: dict(num_experts=40, k=4, num_shared=3, router_rank=5, activation="gelu"),
-        1: dict(num_experts=24, k=2, router_rank=0, activation="gelu"),
-    }
-    layers = {}
-    for index, fields in specs.items():
-        layer = build_sparse_layer(spec_from_dict(dict(kind="routed_neurons", d_in=D_MODEL, d_out=D_MODEL, **fields)))
-        torch.manual_seed(index)
-        with torch.no_grad():  # trained-like: non-zero output rows and bias
-            layer.W_dec.normal_(0, 0.2)
-            if layer.W_shared_dec is not None:
-                layer.W_shared_dec.normal_(0, 0.2)
-            layer.b_dec.normal_(0, 0.1)
-        layers[index] = layer
-    model = splice(tiny_base_model("gpt_neox"), layers)
-    report, input_ids, logits = check_remote_roundtrip(model, tmp_path, "gpt_neox.layers")
-    assert (tmp_path / "model" / "routed_neurons.py").is_file()
-    assert report["sparse"] == ["RoutedNeuronsLayer", "RoutedNeuronsLayer"]
-
-
-def test_short_distillation_on_a_tiny_llama(tiny_run):
-    """Sized by parameter matching (the number of neurons), trained, spliced and evaluated by the real pipeline."""
-    tmp_path, tree = tiny_run
-    tree["layers"] = [1]
-    tree["layer"] = {"kind": "routed_neurons", "k": 4, "match_transcoder": 4,
-                  "options": {"num_shared": 4, "router_rank": 8}}
-    tree["train"].update(lr=1e-3, checkpoint_every=0)
-    tree["eval"].update(generation_prompts=2, continuation_tokens=3)
-    out = upcycle(recipe_from_dict(tree), progress=False)
-    spec = spec_from_dict(json.loads((out / "config.json").read_text())["sparse_layers"]["1"])
-    # 4x transcoder on d = 32: 128 (32 + 1) + 128 * 32 + 32 = 8,352 parameters; N is the largest that fits
-    assert spec.kind == "routed_neurons" and spec.activation == "silu" and spec.k == 4
-    bigger = spec_from_dict({**spec.to_dict(), "num_experts": spec.num_experts + 1})
-    assert spec.num_parameters() <= 8_352 < bigger.num_parameters()
-    layer = json.loads((out / "metrics.json").read_text())["layers"]["1"]
-    assert 0 <= layer["fvu"] < 1.0, layer  # better than predicting the mean
-    assert layer["l0"] == 4  # softmax weights over the top k are all > 0
-    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-    assert log[-1]["loss"] < log[0]["loss"]
