@@ -11,12 +11,13 @@ from expertize.conversion.specialization.suffix import SuffixRunner
 from expertize.conversion.training.losses import next_token_ce
 from expertize.conversion.surgery.splice import splice
 from tests.conftest import FAMILY_NAMES, VOCAB, tiny_base_model
-from tests.test_inspect import SPECS, hand_set
+from tests.kinds import KINDS, tiny_spec
+from tests.test_inspect import hand_set
 
 
 def model_with(kind: str, family: str, at: int, attention: str = "sdpa"):
     """A float32 tiny model (2 blocks) with a hand-set `kind` layer at block `at` (a transcoder at the other)."""
-    layers = {at: hand_set(SPECS[kind](), 2), 1 - at: hand_set(SPECS["transcoder"](), 1)}
+    layers = {at: hand_set(tiny_spec(kind, activation="gelu_new"), 2), 1 - at: hand_set(tiny_spec("transcoder"), 1)}
     model = splice(tiny_base_model(family), layers).eval()
     model.set_attn_implementation(attention)
     return model
@@ -70,7 +71,7 @@ def conditions_for(num_units: int) -> list[Condition]:
     ]
 
 
-@pytest.mark.parametrize("kind", sorted(SPECS))
+@pytest.mark.parametrize("kind", KINDS)
 def test_conditions_equal_full_forwards_under_intervene(kind):
     """Every kind (GPT-2): ablation and steering on the suffix give the full forwards' per-document CE sums."""
     model = model_with(kind, "gpt2", 1)
