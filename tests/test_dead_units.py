@@ -56,9 +56,10 @@ class FixedBatches:
             yield self.data[step]
 
 
-def _layers(kind: str, seed: int = 0):
+def _layers(kinds=tuple(AUXK_KINDS), seed: int = 0):
+    """One layer per kind (layer i: kinds[i]), trained together as the layers of one model are."""
     torch.manual_seed(seed)
-    return {0: build_sparse_layer(SPECS[kind]), 3: build_sparse_layer(SPECS[kind])}
+    return {i: build_sparse_layer(SPECS[kind]) for i, kind in enumerate(kinds)}
 
 
 def _copy(layers):
@@ -131,9 +132,8 @@ def _assert_same_weights(layers, reference):
             torch.testing.assert_close(layer.state_dict()[key], value, rtol=0, atol=0, msg=f"{i}.{key}")
 
 
-@pytest.mark.parametrize("kind", list(SPECS))
-def test_auxk_off_is_bit_identical_to_the_plain_loop(kind, tmp_path):
-    layers = _layers(kind)
+def test_auxk_off_is_bit_identical_to_the_plain_loop(tmp_path):
+    layers = _layers()
     reference = _copy(layers)
     batches = FixedBatches(layers, 8)
     cfg = _cfg(auxk_coef=0.0)
@@ -142,15 +142,15 @@ def test_auxk_off_is_bit_identical_to_the_plain_loop(kind, tmp_path):
     _assert_same_weights(layers, reference)
     log = read_log(tmp_path / "train_log.jsonl")
     # Units do die within the 2-step window here, so the off switch is tested where AuxK would act.
-    assert any(r["dead"] > 0 for r in log) and not any("auxk" in r for r in log)
+    assert not any("auxk" in r for r in log)
+    assert all(any(r["layers"][str(i)]["dead"] > 0 for r in log) for i in layers)
     assert [{i: v["dead"] for i, v in r["layers"].items()} for r in log] == [
         {i: dead for i, (dead, _) in rec.items()} for rec in records
     ]
 
 
-@pytest.mark.parametrize("kind", list(SPECS))
-def test_auxk_on_equals_the_reference_built_from_the_blocks(kind, tmp_path):
-    layers = _layers(kind)
+def test_auxk_on_equals_the_reference_built_from_the_blocks(tmp_path):
+    layers = _layers()
     reference = _copy(layers)
     batches = FixedBatches(layers, 8)
     cfg = _cfg(auxk_coef=0.5, auxk_k="auto")
@@ -160,7 +160,7 @@ def test_auxk_on_equals_the_reference_built_from_the_blocks(kind, tmp_path):
         for key, value in reference[i].state_dict().items():
             torch.testing.assert_close(layer.state_dict()[key], value, rtol=1e-5, atol=1e-6, msg=f"{i}.{key}")
     log = read_log(tmp_path / "train_log.jsonl")
-    assert trainer.auxk_layers == {0, 3} and trainer.window_tokens == 2 * TOKENS
+    assert trainer.auxk_layers == set(layers) and trainer.window_tokens == 2 * TOKENS
     for r, rec in zip(log, records, strict=True):
         for i, (dead, aux) in rec.items():
             assert r["layers"][i]["dead"] == dead
@@ -168,26 +168,27 @@ def test_auxk_on_equals_the_reference_built_from_the_blocks(kind, tmp_path):
                 assert r["layers"][i].get("auxk") is None
             else:
                 assert r["layers"][i].get("auxk") == pytest.approx(aux, rel=1e-5)
-    assert any(r["layers"]["0"].get("auxk", 0) > 0 for r in log)  # AuxK acted
+    assert all(any(r["layers"][str(i)].get("auxk", 0) > 0 for r in log) for i in layers)  # AuxK acted
     assert all("auxk" not in r for r in log[:2])  # not before a whole window has passed
     # ... and it changed the trajectory (so the test above can fail).
-    plain = _layers(kind)
+    plain = _layers()
     _train(plain, batches, _cfg(auxk_coef=0.0), tmp_path / "plain", 8)
-    assert any(not torch.equal(plain[0].state_dict()[k], v) for k, v in layers[0].state_dict().items())
+    for i in layers:
+        assert any(not torch.equal(plain[i].state_dict()[k], v) for k, v in layers[i].state_dict().items()), i
 
 
 def test_auxk_run_resumes_exactly(tmp_path):
     cfg = _cfg(auxk_coef=0.5, checkpoint_every=2)
-    straight = _layers("mxd")
+    straight = _layers(("mxd", "mxd"))
     batches = FixedBatches(straight, 9)
     _train(straight, batches, cfg, tmp_path / "straight", 9)
 
-    first = _layers("mxd")
+    first = _layers(("mxd", "mxd"))
     interrupted = FixedBatches(first, 9)
     interrupted.stop_at = 5  # between steps 5 and 6: the engine saves step 5 and stops
     with pytest.raises(RunInterrupted, match="saved a checkpoint of step 5"):
         _train(first, interrupted, cfg, tmp_path / "resumed", 9)
-    resumed_layers = _layers("mxd")
+    resumed_layers = _layers(("mxd", "mxd"))
     resumed = _train(resumed_layers, FixedBatches(resumed_layers, 9), cfg, tmp_path / "resumed", 9)
     _assert_same_weights(resumed_layers, straight)
     assert resumed.dead_units[0].tokens_seen == 9 * TOKENS

@@ -360,9 +360,11 @@ for family, (folder, reference, blocks_path) in json.loads(sys.argv[1]).items():
     blocks = eval("model." + blocks_path)
     with torch.no_grad():
         torch.testing.assert_close(model(ref["input_ids"]).logits, ref["logits"], rtol=1e-5, atol=1e-5)
-        for index, (units, ablated) in ref["ablated"].items():
-            with blocks[index].mlp.intervene(ablate=units):
-                torch.testing.assert_close(model(ref["input_ids"]).logits, ablated, rtol=1e-5, atol=1e-5)
+        for index, units in ref["ablated"].items():
+            blocks[index].mlp.ablate(units)
+        torch.testing.assert_close(model(ref["input_ids"]).logits, ref["ablated_logits"], rtol=1e-5, atol=1e-5)
+        for index in ref["ablated"]:
+            blocks[index].mlp.clear_interventions()
     greedy = model.generate(ref["input_ids"][:1, :3], max_new_tokens=4, do_sample=False)[0].tolist()
     assert greedy == ref["greedy"], (greedy, ref["greedy"])
     report[family] = [type(block.mlp).__name__ for block in blocks]
@@ -388,10 +390,11 @@ def _base_with_layers(family: str, num_layers: int):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+@pytest.mark.slow  # a subprocess / a whole upcycle run: `-m "not slow"` leaves it out
 def test_every_kind_round_trips_through_remote_code_in_one_process(tmp_path):
     """One folder per family holding its share of the kinds (each kind's variant, then its tiny spec, on consecutive
     layers), all loaded through remote code by one fresh interpreter that cannot import expertize: the same
-    parameters and buffers (no missing or stray keys), logits, greedy tokens and logits under an ablation in every
+    parameters and buffers (no missing or stray keys), logits, greedy tokens and logits under ablations in every
     sparse layer; and the same in process. (The headless model and the refusal without trust_remote_code are the
     family's, tests/test_splice_roundtrip.py.)"""
     from expertize.conversion.surgery.splice import load_expertize_model, save_model, splice
@@ -413,19 +416,21 @@ def test_every_kind_round_trips_through_remote_code_in_one_process(tmp_path):
             logits = model(input_ids).logits
             for handle in handles:
                 handle.remove()
-            for index, mlp in mlps.items():
-                index_, weights = codes[index].top_k_index[0, 0], codes[index].top_k_weights[0, 0]
-                units = index_[weights != 0][:2].tolist()  # units the first token uses
-                with mlp.intervene(ablate=units):
-                    ablated[index] = (units, model(input_ids).logits)
-                assert not torch.allclose(ablated[index][1], logits), (family, index)
+            for index, mlp in mlps.items():  # in every sparse layer two units the first token uses
+                units, weights = codes[index].top_k_index[0, 0], codes[index].top_k_weights[0, 0]
+                ablated[index] = units[weights != 0][:2].tolist()
+                mlp.ablate(ablated[index])
+            ablated_logits = model(input_ids).logits
+            for mlp in mlps.values():
+                mlp.clear_interventions()
+        assert not torch.allclose(ablated_logits, logits), family
         greedy = model.generate(input_ids[:1, :3], max_new_tokens=4, do_sample=False)[0].tolist()
         folder = tmp_path / f"model_{family}"
         save_model(model, folder, tokenizer=tokenizer)
         for kind in kinds:  # the kind's own file travels with the model
             assert (folder / f"{ROWS[kind].layer_class.__module__.rsplit('.', 1)[-1]}.py").is_file(), kind
         torch.save({"input_ids": input_ids, "logits": logits, "greedy": greedy, "ablated": ablated,
-                    "state": model.state_dict()}, tmp_path / f"{family}.pt")
+                    "ablated_logits": ablated_logits, "state": model.state_dict()}, tmp_path / f"{family}.pt")
         plan[family] = (str(folder), str(tmp_path / f"{family}.pt"), FAMILIES[family].blocks_path)
         expected[family] = [type(layers[i]).__name__ for i in sorted(layers)]
         reloaded = load_expertize_model(folder)
@@ -459,6 +464,7 @@ def _next_valid(spec, field: str):
     raise AssertionError(f"no valid {field} above {getattr(spec, field)}")
 
 
+@pytest.mark.slow  # a subprocess / a whole upcycle run: `-m "not slow"` leaves it out
 def test_every_kind_distils_through_the_pipeline(tiny_run):
     """One upcycle run, every kind a variant on one activation stream: each sized by parameter matching to a 4x
     transcoder, its MLP-derived fields from the base model, trained (the loss falls), spliced and evaluated (finite
