@@ -31,10 +31,11 @@ variants differ only in their `layer:` section and `train.lr`:
 Same data (tinyshakespeare, the checkpoint's training text, 10% of documents held out), same tokens (same seed, same
 order), same optimizer settings for every kind: AdamW lr 1e-2, 50 warm-up steps, cosine decay to 0.1 lr, 1,024
 tokens per step, NMSE loss (the MxD paper's), fp32, gradient clipping 1.0, routed kinds' auxiliary losses at their
-specs' own coefficients, AuxK at the recipe default (train.auxk_coef 1/32, k_aux and dead window auto) for the kinds
-that have it (mxd, transcoder, skip_transcoder, routed_neurons; the others train without it). Nothing is tuned per
-kind. The default budget, 327,680 training tokens (320 steps), is the most tinyshakespeare gives (343,808 training
-tokens at context 128). That is short, and the ranking of the kinds depends on the learning rate: in a sweep over
+specs' own coefficients, the recipe's default dead-unit handling (train.balance: floor for the kinds that choose a
+top K, AuxK off; docs/dead_units.md). (The table in docs/results/all_kinds.md predates that default: it was measured
+with AuxK at 1/32 and no selection bias; rerun the script to refresh the table.) Nothing is tuned per kind. The
+default budget, 327,680 training tokens (320 steps), is the most tinyshakespeare gives (343,808 training tokens at
+context 128). That is short, and the ranking of the kinds depends on the learning rate: in a sweep over
 {1e-3, 3e-3, 1e-2, 3e-2} (`--lr-sweep`, measured before AuxK was on by default), 1e-2 was the best shared rate (best
 FVU for transcoder, skip_transcoder, monet_hd, monet_vd, routed_neurons; mxd, mumoe_cp and mumoe_tr do better still
 at 3e-2, moe_x at 3e-3), and 1e-3 (the fidelity benchmark's rate) left every kind far from converged.
@@ -343,13 +344,14 @@ def main() -> int:
 
     hf_logging.disable_progress_bar()
     steps = args.train_tokens // args.tokens_per_step
-    auxk = TrainConfig()  # the recipe's defaults: build_tree leaves the AuxK keys alone
+    auxk = TrainConfig()  # the recipe's defaults: build_tree leaves the dead-unit keys alone
     header = (
         f"All kinds on {args.model} layer {args.layer}, parameter-matched to a {args.match_transcoder:g}x transcoder; "
         f"{steps * args.tokens_per_step:,} training tokens per kind ({steps} steps x {args.tokens_per_step}, context "
         f"{args.context_length}); AdamW lr {args.lr:g}, warm-up {args.warmup_steps}, cosine to 0.1 lr, NMSE loss, "
-        f"clip 1.0, fp32, AuxK coef {auxk.auxk_coef:g} (k_aux {auxk.auxk_k}, window {auxk.dead_window_tokens}; "
-        f"top-k kinds), seed {args.seed}; every kind and lr a variant of one run (one activation stream); eval on "
+        f"clip 1.0, fp32, dead-unit handling balance {auxk.balance}"
+        f"{f' (floor {auxk.balance_floor:g})' if auxk.balance == 'floor' else ''}, AuxK coef {auxk.auxk_coef:g} "
+        f"(top-k kinds), seed {args.seed}; every kind and lr a variant of one run (one activation stream); eval on "
         f"{args.eval_tokens:,} held-out tokens; forward time: "
         f"{args.timing_tokens:,} held-out MLP inputs, median of {args.timing_repeats}, inference; torch "
         f"{torch.__version__}, {torch.get_num_threads()} threads"

@@ -3,8 +3,8 @@ every figure with its confidence interval, the headline rows repeated over seeds
 
 One MLP of a real multi-domain model (SmolLM2-135M-Instruct, made by shared/tools/get_smollm2.py) is replaced by
 each kind. Per seed, all kinds are variants of ONE recipe (`variants:`, one per kind, each a complete model folder
-RUNS/seed<S>/runs/KIND; benchmarks/_runs.run_variants) trained from ONE activation cache (`expertize capture`, README
-"Capture once, train many": the base model runs once per seed; a rerun with --runs-dir, more kinds or another --lr
+RUNS/seed<S>/runs/KIND; benchmarks/_runs.run_variants) trained from ONE activation cache (`expertize capture`,
+docs/capture.md: the base model runs once per seed; a rerun with --runs-dir, more kinds or another --lr
 reuses the cache), with the same tokens in the same order and the same optimizer settings. Each variant's `layer:`
 section names its kind (sizes as benchmarks/all_kinds.py: every kind parameter-matched to a TopK transcoder with
 F·d_in latents, F = --match-transcoder; per-kind settings all_kinds.KIND_SETTINGS). Data: named domain corpora
@@ -34,7 +34,7 @@ baseline row); steering effect = CE drop on the steered unit's domain minus the 
 beside a random live unit's.
 
 Run:  python benchmarks/specialization.py --domains DIR --model SMOLLM2_DIR [--quick | --full-cpu]
-          [--seeds 0,1,2] [--png docs/specialization.png] [--out docs/specialization.md] [--runs-dir RUNS]
+          [--seeds 0,1,2] [--png docs/specialization.png] [--out docs/results/specialization.md] [--runs-dir RUNS]
 
 Cost model: with D domains, F fit and E eval tokens per domain, one kind's specialization pass is one full forward
 over D·F fit tokens (unit statistics and pooled codes together) and one over D·E eval tokens (base CE, pooled codes,

@@ -1,6 +1,6 @@
 """The per-layer JSON report (`layer_<i>.json`), its JSON schema, a small validator, and the writer of the folder.
 
-The schema below is the documented format (README "Look inside"); `validate(document, LAYER_SCHEMA)` checks a
+The schema below is the documented format (docs/inspect.md); `validate(document, LAYER_SCHEMA)` checks a
 document against it with the subset of JSON Schema it uses (type, properties, required, additionalProperties, items,
 minimum, maximum, enum), so no third-party validator is needed (tests also check it with `jsonschema`).
 """
