@@ -540,6 +540,23 @@ def relu_topk(
     return F.relu(pre.gather(-1, indices)), indices
 
 
+def _gathered_rows_backward(
+    x: torch.Tensor, rows: torch.Tensor, index: torch.Tensor, grad: torch.Tensor, need_x: bool, need_rows: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The backward of out[t, k] = rows[index[t, k]] · x[t] for grad (T, K) in rows' dtype, as one embedding_bag:
+    grad x_t = Σ_k g_tk rows[idx_tk] (T, I) and grad rows[n] = Σ_{idx_tk = n} g_tk x_t (N, I), the latter as that
+    embedding_bag's own backward with grad_outputs x. Returns (grad_x or None, grad_rows or None)."""
+    if not (need_x or need_rows):
+        return None, None
+    with torch.enable_grad():
+        w = rows.detach().requires_grad_(need_rows)
+        grad_x = F.embedding_bag(index, w, per_sample_weights=grad, mode="sum")  # (T, I)
+    grad_rows = None
+    if need_rows:
+        (grad_rows,) = torch.autograd.grad(grad_x, w, grad_outputs=x.to(rows.dtype))  # (N, I)
+    return (grad_x.detach().to(x.dtype) if need_x else None), grad_rows
+
+
 def biased_linear_relu_topk(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, selection_bias: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -607,14 +624,8 @@ class LinearReluTopK(torch.autograd.Function):
         x, weight, index, values = ctx.saved_tensors
         grad = torch.where(values > 0, grad_values, 0).to(weight.dtype)  # ReLU's backward, as F.relu's: (T, K)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_x = grad_w = grad_b = None
-        if need_x or need_w:
-            with torch.enable_grad():
-                w = weight.detach().requires_grad_(need_w)
-                grad_x = F.embedding_bag(index, w, per_sample_weights=grad, mode="sum")  # Σ_k g_tk W[idx_tk]: (T, I)
-            if need_w:
-                (grad_w,) = torch.autograd.grad(grad_x, w, grad_outputs=x.to(weight.dtype))  # (N, I)
-            grad_x = grad_x.detach().to(x.dtype) if need_x else None
+        grad_x, grad_w = _gathered_rows_backward(x, weight, index, grad, need_x, need_w)
+        grad_b = None
         if need_b:  # False when bias is None
             grad_b = weight.new_zeros(weight.shape[0]).index_add_(0, index.reshape(-1), grad.reshape(-1))  # (N,)
         return grad_x, grad_w, grad_b, None, None, None
@@ -647,14 +658,7 @@ class GatheredDot(torch.autograd.Function):
     def backward(ctx, grad):
         x, rows, index = ctx.saved_tensors
         need_x, need_rows = ctx.needs_input_grad[:2]
-        grad = grad.to(rows.dtype)  # (T, K)
-        grad_x = grad_rows = None
-        with torch.enable_grad():
-            w = rows.detach().requires_grad_(need_rows)
-            grad_x = F.embedding_bag(index, w, per_sample_weights=grad, mode="sum")  # Σ_k g_tk rows[idx_tk]: (T, I)
-        if need_rows:
-            (grad_rows,) = torch.autograd.grad(grad_x, w, grad_outputs=x.to(rows.dtype))  # (N, I)
-        grad_x = grad_x.detach().to(x.dtype) if need_x else None
+        grad_x, grad_rows = _gathered_rows_backward(x, rows, index, grad.to(rows.dtype), need_x, need_rows)
         return grad_x, grad_rows, None
 
 
