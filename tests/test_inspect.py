@@ -72,6 +72,17 @@ def is_peak(column: torch.Tensor, row: int, T: int, radius: int) -> bool:
     return True
 
 
+def layer_inputs(model, layer, sequences) -> torch.Tensor:
+    """(all tokens, I): what `layer` reads over the corpora, in the pass's token order."""
+    inputs = []
+    handle = layer.register_forward_pre_hook(lambda m, a: inputs.append(a[0].reshape(-1, a[0].shape[-1])))
+    with torch.no_grad():
+        for seqs in sequences.values():
+            model(input_ids=seqs)
+    handle.remove()
+    return torch.cat(inputs)
+
+
 def run(model, sequences, **settings):
     settings = InspectionSettings(**{"top_n": 4, "left": 3, "right": 2, "batch_size": 3, **settings})
     return collect_stats(model, sequences, settings, token_text=lambda t: f"t{t}", model_name="tiny")
@@ -155,13 +166,7 @@ def test_mxd_direct_effect_averages_the_expert_contribution_over_its_firing_toke
     sequences = corpora()
     stats = run(model, sequences, vocab_top=3)
     layer = model.sparse_layers()[1]
-    inputs = []
-    handle = layer.register_forward_pre_hook(lambda m, a: inputs.append(a[0].reshape(-1, D)))
-    with torch.no_grad():
-        for seqs in sequences.values():
-            model(input_ids=seqs)
-    handle.remove()
-    x = torch.cat(inputs)  # (all tokens, I)
+    x = layer_inputs(model, layer, sequences)  # (all tokens, I)
     with torch.no_grad():
         code = layer.encode(x)
         dz = layer.hidden(x) @ layer.W_dec  # Dᵀz: (tokens, O)

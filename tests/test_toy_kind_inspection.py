@@ -14,7 +14,7 @@ from expertize.conversion.publishing.card import render_model_card
 from expertize.conversion.surgery.splice import save_model, splice
 from expertize.modeling import build_sparse_layer
 from tests.conftest import D_MODEL, tiny_base_model, tiny_tokenizer, write_corpus
-from tests.test_inspect import _vocab_logits, corpora, hand_set, run
+from tests.test_inspect import _vocab_logits, corpora, hand_set, layer_inputs, run
 from tests.toy_kind import (
     TOY_ACTIVATION_MEANING,
     TOY_CITATION,
@@ -32,17 +32,6 @@ def toy_spec(kind: str) -> ToySpec:
 def toy_model(kind: str, family: str = "gpt2"):
     """A float64 tiny model with the toy kind at layer 1 (hand-set weights: spread-out codes, non-zero decoder)."""
     return splice(tiny_base_model(family), {1: hand_set(toy_spec(kind), 3)}).double().eval()
-
-
-def layer_inputs(model, layer, sequences) -> torch.Tensor:
-    """(all tokens, I): what `layer` reads over the corpora, in the pass's token order."""
-    inputs = []
-    handle = layer.register_forward_pre_hook(lambda m, a: inputs.append(a[0].reshape(-1, D_MODEL)))
-    with torch.no_grad():
-        for seqs in sequences.values():
-            model(input_ids=seqs)
-    handle.remove()
-    return torch.cat(inputs)
 
 
 def test_the_engine_reads_meaning_routing_and_effects_from_the_toy_kind(toy_kind):
