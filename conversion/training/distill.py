@@ -131,7 +131,8 @@ class Trainer(Engine):
             for i, layer in layers.items()
             if cfg.resample_every_tokens and supports_resampling(layer)
         }
-        self._step_errors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (x, y - ŷ) of the step, resampling
+        self._step_pairs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        """Resampling layers: the step's (x, y, ŷ), detached; the error y - ŷ is formed only on a resampling step."""
         self.mean_outputs: dict[int, torch.Tensor] = {}
         self._codes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._hooks = [layer.code_hook.register_forward_hook(self._record_code(i)) for i, layer in layers.items()]
@@ -214,7 +215,7 @@ class Trainer(Engine):
         losses = {i: self.loss_fn(outputs[str(i)].float(), y.float()) for i, (_, y) in batch.items()}
         for i in self.resamplers:
             x, y = batch[i]
-            self._step_errors[i] = (x.detach(), (y - outputs[str(i)]).detach())
+            self._step_pairs[i] = (x.detach(), y.detach(), outputs[str(i)].detach())
         # Routed layers' own auxiliary losses (load balance, ...), already weighted by their specs.
         aux = [layer.aux_loss for layer in self.layers.values() if layer.aux_loss is not None]
         total = sum(losses.values()) + sum(aux)
@@ -242,12 +243,12 @@ class Trainer(Engine):
             if i in self.resamplers:
                 self.resamplers[i].update_fired(fired, self.tokens_per_step)
                 if self.resamplers[i].due:
-                    self.resamplers[i].resample(*self._step_errors[i], self.optimizer, reduce=reduce)
+                    x, y, y_hat = self._step_pairs[i]
+                    self.resamplers[i].resample(x, y - y_hat, self.optimizer, reduce=reduce)
         for i, balancer in self.balancers.items():
             load, scale = balancer.step_stats(*self._codes[i])
-            if self.num_processes > 1:  # every rank moves the bias the same way
-                load = self.accelerator.reduce(load, reduction="mean")
-                scale = self.accelerator.reduce(scale, reduction="mean")
+            if reduce is not None:  # every rank moves the bias the same way
+                load, scale = reduce(load), reduce(scale)
             balancer.update(load, scale, lr=self.optimizer.param_groups[0]["lr"], step_tokens=self.tokens_per_step)
 
     def record(self, parts) -> dict:
