@@ -373,7 +373,7 @@ class SparseLayer(nn.Module):
     def _keep(self, source: torch.Tensor, **tensors: torch.Tensor) -> None:
         """During a training forward with `keep_for_auxk`: remember `tensors` (detached) as computed from input
         `source` (the tensor object the caller passed in)."""
-        if self.training and self.keep_for_auxk:
+        if self._wants_pre():
             if self._kept.get("source") is not source:
                 self._kept = {"source": source}
             self._kept.update({name: t.detach() for name, t in tensors.items()})
