@@ -320,3 +320,15 @@ def test_the_summary_says_what_good_and_bad_values_look_like(quickstart):
     agree = next((i for i, share in enumerate(curve) if share < 0.5), len(curve))
     assert f"whole {len(curve)}-token continuation equals the base's" in summary
     assert f"at least half agree for the first {agree} token(s)" in summary
+
+
+def test_dead_grade_poor_exactly_when_the_health_warning_fires():
+    """One dead-unit bound: the summary's "poor" grade and the code-health WARNING agree on every dead fraction (they
+    were 20 % and 10 %, so a 15 %-dead run was graded "fair" under a warning)."""
+    from expertize.conversion.evaluation.health import code_health
+    from expertize.conversion.evaluation.reading import _grade
+
+    for dead in (0.0, 0.04, 0.06, 0.0999, 0.1, 0.1001, 0.15, 0.25, 0.9):
+        warned = any(w.startswith("dead:") for w in code_health(
+            dead_fraction=dead, l0=32.0, k=32, effective_units=None, num_units=1000))
+        assert (_grade("dead", dead) == "poor") == warned, dead

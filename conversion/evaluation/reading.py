@@ -2,18 +2,19 @@
 
 The bare numbers ("greedy continuations identical to base: 0.00%", "dead 49%") tell a newcomer nothing about whether
 the run worked. Each line here says what the metric measures, which end is good, and where this run stands against
-rules of thumb: the MxD paper's ΔCE at a full budget (+0.003 nats, GPT-2, K=32) and the dead-unit targets the
-dead-unit work measures against (≤ 5 % at K=32, ≤ 20 % at K=8; docs/dead_units.md).
+rules of thumb: the MxD paper's ΔCE at a full budget (+0.003 nats, GPT-2, K=32) and, for dead units, the bound of the
+code-health warning (health.DEAD_BOUND: one number, so a run graded "poor" is the run that was warned about).
 """
 
 from ..publishing.metrics_schema import Metrics
+from .health import DEAD_BOUND
 
 __all__ = ["GRADES", "reading_lines"]
 
 GRADES = {
     "ΔCE": (0.02, 0.1),
     "FVU": (0.1, 0.3),
-    "dead": (0.05, 0.2),
+    "dead": (0.05, DEAD_BOUND),
 }
 """Rules of thumb (good below the first bound, poor above the second, fair between)."""
 
@@ -52,7 +53,8 @@ def reading_lines(metrics: Metrics) -> list[str]:
             out.append(
                 f"layer {index}: {layer.dead_fraction:.0%} dead is {_grade('dead', layer.dead_fraction)}: units that "
                 f"never fired on the held-out text are parameters wasted (a few % is healthy, poor > "
-                f"{GRADES['dead'][1]:.0%}); more data.train_tokens revive them (docs/dead_units.md)"
+                f"{GRADES['dead'][1]:.0%}, the health warning's bound); train.balance (default floor) and more "
+                f"data.train_tokens revive them (docs/dead_units.md)"
             )
     generation = metrics.generation
     if generation is not None and generation.match_at_end is not None and generation.match_curve:
