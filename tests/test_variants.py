@@ -227,3 +227,19 @@ def test_two_process_data_parallel_variants_on_cpu(variants_run):
         metrics = json.loads((tmp_path / "sweep" / name / "metrics.json").read_text())
         assert metrics["train"] == {"steps": 8, "tokens": 128 * 8}
     assert result.stdout.count("expertize: wrote") == 1 and result.stdout.count("| b | mxd |") == 1
+
+
+def test_the_table_says_a_kind_without_selection_bias_was_not_balanced():
+    """variants.md names the handling each layer got, not the recipe's request: under `train.balance: floor` a kind
+    that chooses no top K by a score (Monet, μMoE) trains unbalanced (distill says so in its log), and the table
+    said "floor 0.3" for it."""
+    from expertize.conversion.publishing.variants_table import handling
+    from expertize.conversion.recipe.layer_config import spec_field_names
+    from expertize.modeling import LAYER_KINDS
+
+    train = {"balance": "floor", "balance_floor": 0.3}
+    kinds = {kind: "selection_bias" in spec_field_names(kind) for kind in LAYER_KINDS}
+    assert any(kinds.values()) and not all(kinds.values())
+    for kind, has_bias in kinds.items():
+        assert handling(train, kind) == ("floor 0.3" if has_bias else "no balancing (no selection bias)"), kind
+    assert handling({"balance": "none"}, "monet_vd") == "none"

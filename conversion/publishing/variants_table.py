@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from ..recipe.layer_config import spec_field_names
 from .card import format_number, format_percent
 from .metrics_schema import load_metrics
 from .run_folder import METRICS, RESOLVED_RECIPE, write_text
@@ -23,10 +24,14 @@ _COLUMNS = ("variant", "kind", "K", "units", "lr", "dead-unit handling", "ΔCE",
             "effective units", "health")
 
 
-def handling(train: dict) -> str:
-    """The dead-unit handling a resolved `train:` section asks for, in a few words."""
+def handling(train: dict, kind: str | None = None) -> str:
+    """The dead-unit handling a resolved `train:` section gives a layer of `kind`, in a few words. A kind whose spec
+    has no selection bias (no top K chosen by a score) is not balanced whatever `train.balance` says, and the row
+    says so rather than echo the recipe."""
     parts = []
-    if train.get("balance", "none") != "none":
+    if train.get("balance", "none") != "none" and kind is not None and "selection_bias" not in spec_field_names(kind):
+        parts.append("no balancing (no selection bias)")
+    elif train.get("balance", "none") != "none":
         if train["balance"] == "floor":
             parts.append(f"floor {train.get('balance_floor', '')}".strip())
         else:
@@ -62,7 +67,8 @@ def variants_table(folder: str | Path, names: list[str]) -> str:
         problems = [f"- {name}, layer {i}: {w}" for i, m in metrics.layers.items() for w in m.health]
         warnings.extend(problems)
         cells = [
-            name, layer["kind"], layer.get("k"), None if units is None else int(units), train["lr"], handling(train),
+            name, layer["kind"], layer.get("k"), None if units is None else int(units), train["lr"],
+            handling(train, layer["kind"]),
             format_number(None if ce is None else ce.delta),
             format_number(None if ce is None else ce.kl_base_spliced),
             format_number(_mean([m.fvu for m in layers])),
