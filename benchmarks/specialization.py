@@ -34,7 +34,12 @@ baseline row); steering effect = CE drop on the steered unit's domain minus the 
 beside a random live unit's.
 
 Run:  python benchmarks/specialization.py --domains DIR --model SMOLLM2_DIR [--quick | --full-cpu]
-          [--seeds 0,1,2] [--png docs/specialization.png] [--out docs/results/specialization.md] [--runs-dir RUNS]
+          [--lr KIND=LR,...] [--seeds 0,1,2] [--png specialization.png] [--out table.md] [--runs-dir RUNS]
+      python benchmarks/specialization.py --from-rows RUNS/rows.json [--out table.md] [--png plot.png]
+          (re-tabulate a finished run: the tables, the claims' reading and the plot, without a model)
+
+After the tables comes each seed paper's claim read out with its verdict (benchmarks/specialization_claims.py:
+95 % t-intervals over the seeds, paired by seed for differences between kinds).
 
 Cost model: with D domains, F fit and E eval tokens per domain, one kind's specialization pass is one full forward
 over D·F fit tokens (unit statistics and pooled codes together) and one over D·E eval tokens (base CE, pooled codes,
@@ -86,14 +91,23 @@ HEADLINE = (
     ("probe_best_1d", "random_probe_best_1d", "best 1-D F1", ".3f"),
     ("probe_f1_k1", "random_probe_f1_k1", "F1 k=1", ".3f"), ("probe_f1_k8", "random_probe_f1_k8", "F1 k=8", ".3f"),
     ("steering_effect", "random_steering_effect", "steering effect, nats", "+.4f"),
+    ("steering_drop_others", None, "steering CE drop on others (−fluency cost), nats", "+.4f"),
 )
+
+_STEERING_DASHES = "".join(" | –" for key, *_ in HEADLINE if key.startswith("steering")) + " |"
+"""The dense row's empty steering cells (the dense neurons are probed, not steered)."""
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--domains", required=True, help="folder of NAME.jsonl domain corpora ({'text': ...} per line)")
-    p.add_argument("--model", required=True, help="the dense base model folder (e.g. SmolLM2-135M-Instruct)")
+    p.add_argument("--domains", help="folder of NAME.jsonl domain corpora ({'text': ...} per line); required "
+                                     "unless --from-rows")
+    p.add_argument("--model", help="the dense base model folder (e.g. SmolLM2-135M-Instruct); required unless "
+                                   "--from-rows")
+    p.add_argument("--from-rows", default=None, metavar="RUNS/rows.json",
+                   help="re-tabulate, re-plot and read the claims of a finished run (its --runs-dir's rows.json) "
+                        "without training or measuring anything")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="the smoke-scale settings of the module docstring")
     mode.add_argument("--full-cpu", action="store_true", help="the CPU-budget table of the module docstring")
@@ -332,7 +346,7 @@ def seed_table(result: dict) -> list[str]:
         lines.append(f"| {r['kind']} | " + " | ".join(cells) + " |")
     d = result["dense"]
     dense = {k: f"{_f(v['value'], '.3f')} [{_f(v['ci'][0], '.3f')}, {_f(v['ci'][1], '.3f')}]" for k, v in d.items()}
-    lines.append("| dense MLP neurons | 0 | 0 | – | – | – | – | " + " | ".join(dense.values()) + " | – |")
+    lines.append("| dense MLP neurons | 0 | 0 | – | – | – | – | " + " | ".join(dense.values()) + _STEERING_DASHES)
     return lines
 
 
@@ -350,8 +364,9 @@ def summary_table(results: list[dict], kinds: list[str]) -> tuple[list[str], lis
         for key, control, _, fmt in HEADLINE:
             cell, mean_row[key], mean_row[f"{key}_sd"] = _spread([r[key] for r in rows], fmt)
             if control is not None:
-                hits = sum(bool(r.get(f"{key}_significant")) for r in rows)
-                cell += f" ({_spread([r[control] for r in rows], fmt)[0]}; sig. {hits}/{len(rows)})"
+                above, below = _beyond(rows, key, control)
+                cell += (f" ({_spread([r[control] for r in rows], fmt)[0]}; above {above}/{len(rows)}"
+                         + (f", below {below}/{len(rows)}" if below else "") + ")")
                 mean_row[control] = _spread([r[control] for r in rows], fmt)[1]
             cells.append(cell)
         lines.append(f"| {kind} ({len(rows)}/{n}) | " + " | ".join(cells) + " |")
@@ -359,8 +374,20 @@ def summary_table(results: list[dict], kinds: list[str]) -> tuple[list[str], lis
     dense = [res["dense"] for res in results]
     cells = [_spread([d[k]["value"] for d in dense], ".3f")[0] for k in ("probe_best_1d", "probe_f1_k1",
                                                                          "probe_f1_k8")]
-    lines.append(f"| dense MLP neurons ({n}/{n}) | 0 | 0 | – | – | – | – | " + " | ".join(cells) + " | – |")
+    lines.append(f"| dense MLP neurons ({n}/{n}) | 0 | 0 | – | – | – | – | " + " | ".join(cells) + _STEERING_DASHES)
     return lines, means
+
+
+def _beyond(rows: list[dict], key: str, control: str) -> tuple[int, int]:
+    """In how many seeds the figure's interval lies wholly above / wholly below its random control's value."""
+    above = below = 0
+    for r in rows:
+        low, high = r.get(f"{key}_ci") or (None, None)
+        if r[control] is None or low is None or high is None:
+            continue
+        above += low > r[control]
+        below += high < r[control]
+    return above, below
 
 
 def _spread(values: list[float], fmt: str) -> tuple[str, float, float]:
@@ -377,6 +404,12 @@ def _spread(values: list[float], fmt: str) -> tuple[str, float, float]:
 
 def main() -> int:
     args = parse_args()
+    if args.from_rows:
+        return report_rows(args)
+    if not args.domains or not args.model:
+        print("error: --domains and --model are required (or --from-rows RUNS/rows.json to re-tabulate a finished "
+              "run)", file=sys.stderr)
+        return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from expertize.conversion.surgery.splice import load_base_model
     from transformers import AutoTokenizer
@@ -416,32 +449,61 @@ def main() -> int:
     finally:
         if not args.runs_dir:
             shutil.rmtree(root, ignore_errors=True)
+    timing = {k: sum(res["timing"][k] or 0 for res in results) for k in ("capture", "capture and train",
+                                                                         "specialization")}
+    wall = (f"wall time {time.perf_counter() - start:.0f}s: capture {timing['capture']:.0f}s, capture and "
+            f"training {timing['capture and train']:.0f}s, specialization {timing['specialization']:.0f}s "
+            f"({len(kinds)} kinds x {len(results)} seeds)")
+    if args.runs_dir:  # the rows, to re-plot or re-tabulate without rerunning (--from-rows)
+        rows = {"header": header, "kinds": kinds, "layer": args.layer, "model": Path(args.model).name,
+                "train_tokens": args.train_tokens, "wall": wall, "seeds": results}
+        (root / "rows.json").write_text(json.dumps(rows, indent=1), encoding="utf-8")
+    write_report(args, header, results, kinds, wall, f"{Path(args.model).name} layer {args.layer}, "
+                                                     f"{args.train_tokens:,} training tokens, {len(results)} seeds")
+    return 0
+
+
+def report_rows(args) -> int:
+    """--from-rows: the tables, the claims and the plot of a finished run, from its rows.json alone."""
+    path = Path(args.from_rows)
+    if not path.is_file():
+        print(f"error: --from-rows {path}: no such file (benchmarks/specialization.py --runs-dir RUNS writes "
+              "RUNS/rows.json)", file=sys.stderr)
+        return 2
+    data = json.loads(path.read_text(encoding="utf-8"))
+    results = data["seeds"]
+    kinds = data.get("kinds") or list(dict.fromkeys(r["kind"] for res in results for r in res["rows"]))
+    layer = data.get("layer", results[0]["rows"][0]["layer"] if results and results[0]["rows"] else "?")
+    title = f"{data.get('model', 'model')} layer {layer}, " + (
+        f"{data['train_tokens']:,} training tokens, " if "train_tokens" in data else "") + f"{len(results)} seeds"
+    write_report(args, data["header"], results, kinds, data.get("wall"), title)
+    return 0
+
+
+def write_report(args, header: str, results: list[dict], kinds: list[str], wall: str | None, title: str) -> None:
+    """Print (and --out) the summary, each seed's table and the claims' reading; write the plot (--png)."""
+    from specialization_claims import claims
+
     summary, means = summary_table(results, kinds)
     tables = [header, "", f"Mean ± standard deviation over {len(results)} seeds; in parentheses the random "
-              "control's mean and in how many seeds the figure's interval excluded the control's value:", "",
+              "control's mean and in how many seeds the figure's interval lay wholly above (below) the control's "
+              "value:", "",
               *summary, ""]
     for res in results:
         tables += [*seed_table(res), ""]
     speed = next((res["speedup"] for res in results if "speedup" in res), None)
     if speed:
         tables.append(f"Cheap interventions: {speed}.")
-    failures = [f for res in results for f in res["failures"]]
-    tables += [f"failed: {f}" for f in failures]
-    timing = {k: sum(res["timing"][k] or 0 for res in results) for k in ("capture", "capture and train",
-                                                                         "specialization")}
-    tables.append(f"wall time {time.perf_counter() - start:.0f}s: capture {timing['capture']:.0f}s, capture and "
-                  f"training {timing['capture and train']:.0f}s, specialization {timing['specialization']:.0f}s "
-                  f"({len(kinds)} kinds x {len(results)} seeds)")
+    tables += [f"failed: {f}" for res in results for f in res["failures"]]
+    if wall:
+        tables.append(wall)
+    tables += ["", *claims(results)]
     table = "\n".join(tables)
     print("\n" + table)
     if args.out:
         Path(args.out).write_text(table + "\n", encoding="utf-8")
-    if args.runs_dir:  # the rows, to re-plot or re-tabulate without rerunning
-        (root / "rows.json").write_text(json.dumps({"header": header, "seeds": results}, indent=1), encoding="utf-8")
-    plot(means, args.png, f"{Path(args.model).name} layer {args.layer}, {args.train_tokens:,} training tokens, "
-                          f"{len(results)} seeds")
+    plot(means, args.png, title)
     print(f"wrote {args.png}")
-    return 0
 
 
 def plot(rows: list[dict], path: str, title: str = "") -> None:

@@ -36,7 +36,8 @@ def test_benchmark_trains_from_one_cache_per_seed_and_prints_intervals(tmp_path,
     assert "| transcoder (2/2) |" in table and "| dense MLP neurons (2/2) |" in table
     assert table.count("seed 0:") == 1 and table.count("seed 1:") == 1
     assert "Cheap interventions: one masking condition" in table and "identical CE: True" in table
-    assert " [" in table and "sig. " in table  # intervals and significance counts
+    assert " [" in table and "above " in table  # intervals and directional significance counts
+    assert "### Each claim, read out (2 seeds" in table and "**2. Sparse probing (MxD paper)**" in table
     caches = sorted(p.name for p in runs.glob("cache-*"))
     assert len(caches) == 2 and all((runs / c / "cache.json").is_file() for c in caches)  # one per seed
     for seed in (0, 1):
@@ -52,6 +53,12 @@ def test_benchmark_trains_from_one_cache_per_seed_and_prints_intervals(tmp_path,
     again = json.loads((runs / "rows.json").read_text())
     assert [s["rows"] for s in again["seeds"]] == [s["rows"] for s in rows["seeds"]]
     assert all(s["timing"]["capture and train"] is None for s in again["seeds"])  # nothing trained again
+    # --from-rows re-tabulates the finished run from rows.json alone: the same tables and claims, no model needed.
+    table = (tmp_path / "table.md").read_text()
+    monkeypatch.setattr(sys, "argv", ["specialization.py", "--from-rows", str(runs / "rows.json"),
+                                      "--png", str(tmp_path / "again.png"), "--out", str(tmp_path / "again.md")])
+    assert specialization.main() == 0
+    assert (tmp_path / "again.md").read_text() == table and (tmp_path / "again.png").stat().st_size > 0
 
 
 def test_lr_per_kind(monkeypatch):

@@ -1,0 +1,231 @@
+"""Each seed paper's specialization claim, read out of benchmarks/specialization.py's rows (RUNS/rows.json).
+
+    python benchmarks/specialization_claims.py RUNS/rows.json        # or: specialization.py --from-rows RUNS/rows.json
+
+The benchmark measures; this module states, per claim, the figure the claim is about, its spread over the seeds,
+the goal the issue set for it, and one of three verdicts: "met", "not met" or "cannot tell" (the seeds' interval
+straddles the goal). A verdict never rests on one seed's number alone:
+
+- Across seeds, a figure's interval is the 95 % Student-t interval of its mean over the n seeds (n − 1 degrees of
+  freedom; with 3 seeds the half-width is 2.48 standard deviations). A difference between two kinds, or between a
+  kind and the dense neurons, is paired by seed (the same split, documents and bootstrap draws), then the same interval.
+- Within a seed: in how many seeds the bootstrap interval over eval documents (conversion/specialization/bootstrap.py)
+  lies wholly above the random control's value (directional: below the control counts against the claim).
+
+Claims (issue 22):
+1. Monet — ablating a domain's units raises that domain's CE far more than the others' (specificity = mean ΔCE(domain)
+   / mean ΔCE(others)), while as many random live units do not. Goal for the best kind: specificity ≥ 10, its random
+   control ≈ 1 (here: the control's median over seeds within [0.5, 2]), at spliced ΔCE ≤ 0.01 nats. The ratio is ±inf
+   in a seed whenever ΔCE(others) is noise at or below 0, so its verdict reads each seed's bootstrap interval (met
+   when every seed's lower bound is ≥ 10), and beside it stands a figure that cannot explode: the selectivity
+   ΔCE(domain) − ΔCE(others) in nats, minus the random units' (paired by seed, t-interval).
+2. MxD paper — the MxD code's sparse-probe F1 at k = 1 within 0.02 of the transcoder's, and above the dense MLP
+   neurons'.
+3. Steering — adding a domain unit lowers CE on its domain more than on the others (effect, nats), more than a random
+   live unit does, at a stated fluency cost (the CE rise on the other domains).
+4. Which kind specializes most: the kinds ranked by masking selectivity over random units, ΔCE beside, the top two
+   compared paired by seed.
+
+Dead % and ΔCE are printed beside every kind: a collapsed code cannot specialize, and a specific but unfaithful layer
+is not the claim.
+"""
+
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+__all__ = ["claims", "seed_interval", "verdict_above", "verdict_within"]
+
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+"""Two-sided 95 % Student-t quantiles by degrees of freedom (beyond 10: 1.96, the normal's; kept here so the
+benchmark needs no scipy)."""
+
+SPECIFICITY_GOAL, CONTROL_BAND, FAITHFUL_DCE = 10.0, (0.5, 2.0), 0.01
+PROBE_TOLERANCE = 0.02
+
+
+def seed_interval(values: list[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the 95 % t-interval of the mean over seeds; (nan, nan, nan) without a finite value and
+    (mean, -inf, inf) from a single seed (one seed gives no spread)."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        return math.nan, math.nan, math.nan
+    mean = statistics.fmean(finite)
+    if len(finite) < 2:
+        return mean, -math.inf, math.inf
+    half = T_975.get(len(finite) - 1, 1.96) * statistics.stdev(finite) / math.sqrt(len(finite))
+    return mean, mean - half, mean + half
+
+
+def verdict_above(low: float, high: float, goal: float) -> str:
+    """Whether an interval lies above `goal` (met), at or below it (not met), or straddles it (cannot tell)."""
+    if math.isnan(low):
+        return "cannot tell (no finite value)"
+    return "met" if low > goal else "not met" if high <= goal else "cannot tell"
+
+
+def verdict_within(low: float, high: float, tolerance: float) -> str:
+    """Whether a difference's interval lies inside ±tolerance (met), wholly outside it (not met), or neither."""
+    if math.isnan(low):
+        return "cannot tell (no finite value)"
+    if -tolerance <= low and high <= tolerance:
+        return "met"
+    return "not met" if low > tolerance or high < -tolerance else "cannot tell"
+
+
+def _fmt(value: float, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return ("inf" if value > 0 else "-inf") if math.isinf(value) else format(value, fmt)
+
+
+def _interval_text(values: list[float], fmt: str) -> str:
+    mean, low, high = seed_interval(values)
+    seeds = ", ".join(_fmt(v, fmt) for v in values)
+    return f"{_fmt(mean, fmt)} [{_fmt(low, fmt)}, {_fmt(high, fmt)}] (seeds: {seeds})"
+
+
+def _by_kind(results: list[dict]) -> dict[str, dict[int, dict]]:
+    """{kind: {seed: row}} over the seeds that produced the kind's row."""
+    out: dict[str, dict[int, dict]] = {}
+    for res in results:
+        for row in res["rows"]:
+            out.setdefault(row["kind"], {})[res["seed"]] = row
+    return out
+
+
+def _paired(a: dict[int, dict], b: dict[int, float], key: str) -> list[float]:
+    """Per seed present in both: a[seed][key] - b[seed]."""
+    return [a[s][key] - b[s] for s in sorted(a) if s in b and a[s][key] is not None and b[s] is not None]
+
+
+def _above_control(rows: dict[int, dict], key: str, control: str) -> int:
+    """Seeds whose bootstrap interval of `key` lies wholly above its control's value (directional: an interval
+    below the control is significant the other way and does not count for the claim)."""
+    return sum(1 for r in rows.values() if r.get(f"{key}_ci") and r[f"{key}_ci"][0] is not None
+               and r[control] is not None and r[f"{key}_ci"][0] > r[control])
+
+
+def _ratio_verdict(lows: list, highs: list, goal: float) -> str:
+    """Specificity is a ratio that can be ±inf in a seed, so its verdict reads each seed's bootstrap interval over
+    documents instead of a t-interval: met when every seed's lower bound clears `goal`, not met when every seed's
+    upper bound is below it, cannot tell otherwise."""
+    if any(v is None or (isinstance(v, float) and math.isnan(v)) for v in lows) or not lows:
+        return "cannot tell (an undefined interval)"
+    if all(low >= goal for low in lows):
+        return "met"
+    if all(high is not None and not math.isnan(high) and high < goal for high in highs):
+        return "not met"
+    return "cannot tell"
+
+
+def claims(results: list[dict]) -> list[str]:
+    """Markdown lines: the four claims' readings (see the module docstring) from the benchmark's per-seed results."""
+    kinds = _by_kind(results)
+    n = len(results)
+    lines = [f"### Each claim, read out ({n} seeds; intervals: 95 % t over seeds, paired by seed for differences)", ""]
+    lines += ["Beside every kind: ΔCE (nats) and dead % (mean over seeds).", ""]
+    for kind, rows in kinds.items():
+        dce = seed_interval([r["delta_ce"] for r in rows.values()])[0]
+        dead = seed_interval([r["dead_pct"] for r in rows.values()])[0]
+        lines.append(f"- {kind}: ΔCE {_fmt(dce, '+.4f')}, dead {_fmt(dead, '.1f')} %, FVU "
+                     f"{_fmt(seed_interval([r['fvu'] for r in rows.values()])[0], '.3f')}")
+    lines += ["", f"**1. Masking specificity (Monet)** — goal for the best kind: ≥ {SPECIFICITY_GOAL:g} with its random "
+              f"control in [{CONTROL_BAND[0]:g}, {CONTROL_BAND[1]:g}], at ΔCE ≤ {FAITHFUL_DCE:g}:", ""]
+    ranking = []
+    for kind, rows in kinds.items():
+        seeds = sorted(rows)
+        spec = [rows[s]["specificity"] for s in seeds]
+        control = [rows[s]["random_specificity"] for s in seeds]
+        sig = _above_control(rows, "specificity", "random_specificity")
+        lows = [(rows[s].get("specificity_ci") or [None, None])[0] for s in seeds]
+        highs = [(rows[s].get("specificity_ci") or [None, None])[1] for s in seeds]
+        finite_control = [c for c in control if c is not None and not math.isnan(c)]
+        control_median = statistics.median(finite_control) if finite_control else math.nan
+        dce = seed_interval([r["delta_ce"] for r in rows.values()])[0]
+        parts = {"specificity ≥ 10": _ratio_verdict(lows, highs, SPECIFICITY_GOAL),
+                 "control ≈ 1": ("cannot tell (no finite value)" if math.isnan(control_median) else
+                                 "met" if CONTROL_BAND[0] <= control_median <= CONTROL_BAND[1] else "not met"),
+                 "ΔCE ≤ 0.01": "met" if dce <= FAITHFUL_DCE else "not met"}
+        overall = ("met" if all(v == "met" for v in parts.values()) else
+                   "not met" if any(v == "not met" for v in parts.values()) else "cannot tell")
+        # The ratio explodes (to ±inf) when ΔCE(others) is noise around 0; the difference in nats does not.
+        selectivity = [rows[s]["mask_delta_target"] - rows[s]["mask_delta_others"] for s in seeds]
+        random_sel = {s: rows[s]["random_mask_delta_target"] - rows[s]["random_mask_delta_others"] for s in seeds}
+        over_random = [sel - random_sel[s] for sel, s in zip(selectivity, seeds)]
+        _, low, high = seed_interval(over_random)
+        lines.append(
+            f"- {kind}: specificity (seeds) {', '.join(_fmt(v, '.2f') for v in spec)}, document-interval lows "
+            f"{', '.join(_fmt(v, '.2f') for v in lows)}; random control {', '.join(_fmt(v, '.2f') for v in control)}"
+            f" (median {_fmt(control_median, '.2f')}); seeds whose document interval lies above the control: "
+            f"{sig}/{len(rows)} → **{overall}** (" + "; ".join(f"{k}: {v}" for k, v in parts.items()) + "). "
+            f"Selectivity ΔCE(domain) − ΔCE(others): {_interval_text(selectivity, '+.4f')} nats, minus the random "
+            f"units' {_interval_text(over_random, '+.4f')} → masking hits its domain more than random units: "
+            f"**{verdict_above(low, high, 0.0)}**")
+        ranking.append((seed_interval(over_random)[0], kind, over_random))
+    lines += ["", f"**2. Sparse probing (MxD paper)** — MxD's F1 at k = 1 within {PROBE_TOLERANCE:g} of the "
+              "transcoder's and above the dense neurons':", ""]
+    dense = {res["seed"]: res["dense"]["probe_f1_k1"]["value"] for res in results if res.get("dense")}
+    for kind, rows in kinds.items():
+        f1 = [rows[s]["probe_f1_k1"] for s in sorted(rows)]
+        random_f1 = [rows[s]["random_probe_f1_k1"] for s in sorted(rows)]
+        minus_dense = _paired(rows, dense, "probe_f1_k1")
+        _, low, high = seed_interval(minus_dense)
+        lines.append(f"- {kind}: F1 k=1 {_interval_text(f1, '.3f')} (random units {_interval_text(random_f1, '.3f')});"
+                     f" minus dense {_interval_text(minus_dense, '+.3f')} → above dense: "
+                     f"**{verdict_above(low, high, 0.0)}**")
+    lines.append(f"- dense MLP neurons: F1 k=1 {_interval_text([dense[s] for s in sorted(dense)], '.3f')}")
+    if "mxd" in kinds and "transcoder" in kinds:
+        transcoder = {s: r["probe_f1_k1"] for s, r in kinds["transcoder"].items()}
+        diff = _paired(kinds["mxd"], transcoder, "probe_f1_k1")
+        _, low, high = seed_interval(diff)
+        lines.append(f"- MxD − transcoder: {_interval_text(diff, '+.3f')} → within ±{PROBE_TOLERANCE:g}: "
+                     f"**{verdict_within(low, high, PROBE_TOLERANCE)}**")
+    lines += ["", "**3. Steering** — the domain unit's effect (CE drop on its domain minus the mean drop on the others) "
+              "against a random live unit's, and its fluency cost (CE rise on the other domains, nats):", ""]
+    for kind, rows in kinds.items():
+        effect = [rows[s]["steering_effect"] for s in sorted(rows)]
+        random_effect = {s: rows[s]["random_steering_effect"] for s in rows}
+        over_random = _paired(rows, random_effect, "steering_effect")
+        cost = [-rows[s]["steering_drop_others"] for s in sorted(rows)]
+        random_cost = [-rows[s]["random_steering_drop_others"] for s in sorted(rows)]
+        sig = _above_control(rows, "steering_effect", "random_steering_effect")
+        _, low, high = seed_interval(over_random)
+        lines.append(f"- {kind}: effect {_interval_text(effect, '+.4f')}, minus random "
+                     f"{_interval_text(over_random, '+.4f')} (seeds whose document interval lies above the random unit's: {sig}/{len(rows)})"
+                     f" → beats random: **{verdict_above(low, high, 0.0)}**; "
+                     f"fluency cost {_interval_text(cost, '+.4f')} (random unit {_interval_text(random_cost, '+.4f')})")
+    lines += ["", "**4. Which kind specializes most at equal faithfulness:**", ""]
+    ranking = sorted((r for r in ranking if not math.isnan(r[0])), key=lambda r: r[0], reverse=True)
+    if len(ranking) < 2:
+        lines.append("- fewer than two kinds with a finite selectivity: the data cannot rank them")
+    else:
+        lines.append("- ranked by masking selectivity over random units (nats, mean over seeds): " + ", ".join(
+            f"{kind} {_fmt(mean, '+.4f')} (ΔCE "
+            f"{_fmt(seed_interval([r['delta_ce'] for r in kinds[kind].values()])[0], '+.4f')})"
+            for mean, kind, _ in ranking))
+        (_, best, best_values), (_, second, second_values) = ranking[0], ranking[1]
+        diff = [a - b for a, b in zip(best_values, second_values)]
+        _, low, high = seed_interval(diff)
+        tell = (f"{best} is the more domain-specific (the seeds' paired interval excludes 0)" if low > 0 else
+                "the data cannot tell them apart (the seeds' paired interval holds 0)")
+        lines.append(f"- {best} − {second}: {_interval_text(diff, '+.4f')}: {tell}")
+    lines.append("- at equal faithfulness: compare within a ΔCE band; a kind that is more specific but less faithful "
+                 "does not settle the claim")
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or not Path(argv[0]).is_file():
+        print("usage: python benchmarks/specialization_claims.py RUNS/rows.json (written by "
+              "benchmarks/specialization.py --runs-dir RUNS)", file=sys.stderr)
+        return 2
+    results = json.loads(Path(argv[0]).read_text(encoding="utf-8"))["seeds"]
+    print("\n".join(claims(results)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
