@@ -54,8 +54,9 @@ eval tokens per domain (at most 32 tokens per document: 8 eval documents per dom
 
 --full-cpu: layer 15, all 5 domains, all 7 kinds of DEFAULT_KINDS, 3 seeds, context 32, the 8x transcoder budget,
 32,768 training tokens (128 steps of 256; 512 held-out tokens for ΔCE / FVU), 512 fit and 128 eval tokens per domain,
-100 units tried as 1-D probes. A GPU runs the defaults (262,144 training tokens, 8,192 fit / 2,048 eval tokens per
-domain, context 128) with --device cuda.
+100 units tried as 1-D probes. The defaults (262,144 training tokens, 8,192 fit / 2,048 eval tokens per domain,
+context 128) ran 4 kinds x 3 seeds on SmolLM2 in 84 min on 2 CPU cores, 56 of them in the specialization passes
+(docs/results/specialization.md); --device cuda runs them on a GPU.
 """
 
 import argparse
@@ -474,7 +475,7 @@ def report_rows(args) -> int:
     results = data["seeds"]
     kinds = data.get("kinds") or list(dict.fromkeys(r["kind"] for res in results for r in res["rows"]))
     layer = data.get("layer", results[0]["rows"][0]["layer"] if results and results[0]["rows"] else "?")
-    title = f"{data.get('model', 'model')} layer {layer}, " + (
+    title = f"{data.get('model', data['header'].split(',')[0])} layer {layer}, " + (
         f"{data['train_tokens']:,} training tokens, " if "train_tokens" in data else "") + f"{len(results)} seeds"
     write_report(args, data["header"], results, kinds, data.get("wall"), title)
     return 0

@@ -161,8 +161,9 @@ def claims(results: list[dict]) -> list[str]:
             f"{', '.join(_fmt(v, '.2f') for v in lows)}; random control {', '.join(_fmt(v, '.2f') for v in control)}"
             f" (median {_fmt(control_median, '.2f')}); seeds whose document interval lies above the control: "
             f"{sig}/{len(rows)} → **{overall}** (" + "; ".join(f"{k}: {v}" for k, v in parts.items()) + "). "
-            f"Selectivity ΔCE(domain) − ΔCE(others): {_interval_text(selectivity, '+.4f')} nats, minus the random "
-            f"units' {_interval_text(over_random, '+.4f')} → masking hits its domain more than random units: "
+            f"Selectivity ΔCE(domain) − ΔCE(others): {_interval_text(selectivity, '+.4f')} nats; its excess over "
+            f"the random units' selectivity (paired by seed) {_interval_text(over_random, '+.4f')} → masking hits "
+            f"its domain more than random units: "
             f"**{verdict_above(low, high, 0.0)}**")
         ranking.append((seed_interval(over_random)[0], kind, over_random))
     lines += ["", f"**2. Sparse probing (MxD paper)** — MxD's F1 at k = 1 within {PROBE_TOLERANCE:g} of the "
