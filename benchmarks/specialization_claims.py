@@ -8,7 +8,8 @@ straddles the goal). A verdict never rests on one seed's number alone:
 
 - Across seeds, a figure's interval is the 95 % Student-t interval of its mean over the n seeds (n − 1 degrees of
   freedom; with 3 seeds the half-width is 2.48 standard deviations). A difference between two kinds, or between a
-  kind and the dense neurons, is paired by seed (the same split, documents and bootstrap draws), then the same interval.
+  kind and the dense neurons, is paired by seed (the same split, documents and bootstrap draws), then the same
+  interval.
 - Within a seed: in how many seeds the bootstrap interval over eval documents (conversion/specialization/bootstrap.py)
   lies wholly above the random control's value (directional: below the control counts against the claim).
 
@@ -132,7 +133,8 @@ def claims(results: list[dict]) -> list[str]:
         dead = seed_interval([r["dead_pct"] for r in rows.values()])[0]
         lines.append(f"- {kind}: ΔCE {_fmt(dce, '+.4f')}, dead {_fmt(dead, '.1f')} %, FVU "
                      f"{_fmt(seed_interval([r['fvu'] for r in rows.values()])[0], '.3f')}")
-    lines += ["", f"**1. Masking specificity (Monet)** — goal for the best kind: ≥ {SPECIFICITY_GOAL:g} with its random "
+    lines += ["", f"**1. Masking specificity (Monet)** — goal for the best kind: ≥ {SPECIFICITY_GOAL:g} with its "
+              "random "
               f"control in [{CONTROL_BAND[0]:g}, {CONTROL_BAND[1]:g}], at ΔCE ≤ {FAITHFUL_DCE:g}:", ""]
     ranking = []
     for kind, rows in kinds.items():
@@ -184,7 +186,8 @@ def claims(results: list[dict]) -> list[str]:
         _, low, high = seed_interval(diff)
         lines.append(f"- MxD − transcoder: {_interval_text(diff, '+.3f')} → within ±{PROBE_TOLERANCE:g}: "
                      f"**{verdict_within(low, high, PROBE_TOLERANCE)}**")
-    lines += ["", "**3. Steering** — the domain unit's effect (CE drop on its domain minus the mean drop on the others) "
+    lines += ["", "**3. Steering** — the domain unit's effect (CE drop on its domain minus the mean drop on the "
+              "others) "
               "against a random live unit's, and its fluency cost (CE rise on the other domains, nats):", ""]
     for kind, rows in kinds.items():
         effect = [rows[s]["steering_effect"] for s in sorted(rows)]
@@ -195,9 +198,11 @@ def claims(results: list[dict]) -> list[str]:
         sig = _above_control(rows, "steering_effect", "random_steering_effect")
         _, low, high = seed_interval(over_random)
         lines.append(f"- {kind}: effect {_interval_text(effect, '+.4f')}, minus random "
-                     f"{_interval_text(over_random, '+.4f')} (seeds whose document interval lies above the random unit's: {sig}/{len(rows)})"
+                     f"{_interval_text(over_random, '+.4f')} (seeds whose document interval lies above the random "
+                     f"unit's: {sig}/{len(rows)})"
                      f" → beats random: **{verdict_above(low, high, 0.0)}**; "
-                     f"fluency cost {_interval_text(cost, '+.4f')} (random unit {_interval_text(random_cost, '+.4f')})")
+                     f"fluency cost {_interval_text(cost, '+.4f')} (random unit "
+                     f"{_interval_text(random_cost, '+.4f')})")
     lines += ["", "**4. Which kind specializes most at equal faithfulness:**", ""]
     ranking = sorted((r for r in ranking if not math.isnan(r[0])), key=lambda r: r[0], reverse=True)
     if len(ranking) < 2:

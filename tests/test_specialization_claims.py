@@ -23,8 +23,8 @@ def test_seed_interval_is_students_t_over_the_seeds():
     assert all(math.isnan(v) for v in seed_interval([math.nan, math.inf]))  # no finite value
 
 
-@pytest.mark.parametrize("low, high, expected", [(0.1, 0.3, "met"), (-0.2, -0.1, "not met"), (-0.1, 0.1, "cannot tell"),
-                                                 (-0.1, 0.0, "not met")])
+@pytest.mark.parametrize("low, high, expected", [(0.1, 0.3, "met"), (-0.2, -0.1, "not met"),
+                                                 (-0.1, 0.1, "cannot tell"), (-0.1, 0.0, "not met")])
 def test_verdict_above(low, high, expected):
     assert verdict_above(low, high, 0.0) == expected
 
