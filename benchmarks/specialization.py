@@ -75,6 +75,7 @@ from pathlib import Path
 import torch
 from _runs import run_variants
 from all_kinds import KIND_SETTINGS
+from specialization_claims import beyond_control, claims, format_value
 
 DEFAULT_KINDS = ("mxd", "transcoder", "skip_transcoder", "moe_x", "monet_vd", "routed_neurons", "mumoe_cp")
 QUICK = dict(layer=15, domain_names="code,wiki,stories", kinds="mxd,transcoder", context_length=32,
@@ -326,12 +327,6 @@ def _interval(estimate) -> dict:
     return {"value": estimate.value, "ci": [estimate.low, estimate.high]}
 
 
-def _f(value, fmt) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "n/a"
-    return "inf" if value == math.inf else format(value, fmt)
-
-
 def seed_table(result: dict) -> list[str]:
     """One seed's rows: every figure with its interval; n.s. where it holds the random control's value."""
     cols = [title for _, _, title, _ in HEADLINE]
@@ -340,13 +335,13 @@ def seed_table(result: dict) -> list[str]:
         cells = []
         for key, control, _, fmt in HEADLINE:
             ci = r.get(f"{key}_ci")
-            cell = _f(r[key], fmt) + (f" [{_f(ci[0], fmt)}, {_f(ci[1], fmt)}]" if ci else "")
+            cell = format_value(r[key], fmt) + (f" [{format_value(ci[0], fmt)}, {format_value(ci[1], fmt)}]" if ci else "")
             if control is not None:
-                cell += ("" if r.get(f"{key}_significant") else " n.s.") + f" ({_f(r[control], fmt)})"
+                cell += ("" if r.get(f"{key}_significant") else " n.s.") + f" ({format_value(r[control], fmt)})"
             cells.append(cell)
         lines.append(f"| {r['kind']} | " + " | ".join(cells) + " |")
     d = result["dense"]
-    dense = {k: f"{_f(v['value'], '.3f')} [{_f(v['ci'][0], '.3f')}, {_f(v['ci'][1], '.3f')}]" for k, v in d.items()}
+    dense = {k: f"{format_value(v['value'], '.3f')} [{format_value(v['ci'][0], '.3f')}, {format_value(v['ci'][1], '.3f')}]" for k, v in d.items()}
     lines.append("| dense MLP neurons | 0 | 0 | – | – | – | – | " + " | ".join(dense.values()) + _STEERING_DASHES)
     return lines
 
@@ -365,10 +360,10 @@ def summary_table(results: list[dict], kinds: list[str]) -> tuple[list[str], lis
         for key, control, _, fmt in HEADLINE:
             cell, mean_row[key], mean_row[f"{key}_sd"] = _spread([r[key] for r in rows], fmt)
             if control is not None:
-                above, below = _beyond(rows, key, control)
-                cell += (f" ({_spread([r[control] for r in rows], fmt)[0]}; above {above}/{len(rows)}"
+                above, below = beyond_control(rows, key, control)
+                control_cell, mean_row[control], _ = _spread([r[control] for r in rows], fmt)
+                cell += (f" ({control_cell}; above {above}/{len(rows)}"
                          + (f", below {below}/{len(rows)}" if below else "") + ")")
-                mean_row[control] = _spread([r[control] for r in rows], fmt)[1]
             cells.append(cell)
         lines.append(f"| {kind} ({len(rows)}/{n}) | " + " | ".join(cells) + " |")
         means.append(mean_row)
@@ -379,28 +374,16 @@ def summary_table(results: list[dict], kinds: list[str]) -> tuple[list[str], lis
     return lines, means
 
 
-def _beyond(rows: list[dict], key: str, control: str) -> tuple[int, int]:
-    """In how many seeds the figure's interval lies wholly above / wholly below its random control's value."""
-    above = below = 0
-    for r in rows:
-        low, high = r.get(f"{key}_ci") or (None, None)
-        if r[control] is None or low is None or high is None:
-            continue
-        above += low > r[control]
-        below += high < r[control]
-    return above, below
-
-
 def _spread(values: list[float], fmt: str) -> tuple[str, float, float]:
     """"mean ± sd" over the finite values (n/a when none; an infinite value makes the mean inf)."""
     finite = [v for v in values if v is not None and not math.isnan(v)]
     if not finite:
         return "n/a", math.nan, math.nan
     if any(math.isinf(v) for v in finite):
-        return "inf (" + ", ".join(_f(v, fmt) for v in finite) + ")", math.inf, math.nan
+        return "inf (" + ", ".join(format_value(v, fmt) for v in finite) + ")", math.inf, math.nan
     mean = statistics.fmean(finite)
     sd = statistics.stdev(finite) if len(finite) > 1 else math.nan
-    return f"{_f(mean, fmt)} ± {_f(sd, fmt.lstrip('+'))}", mean, sd
+    return f"{format_value(mean, fmt)} ± {format_value(sd, fmt.lstrip('+'))}", mean, sd
 
 
 def main() -> int:
@@ -483,8 +466,6 @@ def report_rows(args) -> int:
 
 def write_report(args, header: str, results: list[dict], kinds: list[str], wall: str | None, title: str) -> None:
     """Print (and --out) the summary, each seed's table and the claims' reading; write the plot (--png)."""
-    from specialization_claims import claims
-
     summary, means = summary_table(results, kinds)
     tables = [header, "", f"Mean ± standard deviation over {len(results)} seeds; in parentheses the random "
               "control's mean and in how many seeds the figure's interval lay wholly above (below) the control's "

@@ -35,9 +35,10 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["claims", "seed_interval", "verdict_above", "verdict_within"]
+__all__ = ["beyond_control", "claims", "format_value", "seed_interval", "verdict_above", "verdict_within"]
 
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 """Two-sided 95 % Student-t quantiles by degrees of freedom (beyond 10: 1.96, the normal's; kept here so the
@@ -76,7 +77,8 @@ def verdict_within(low: float, high: float, tolerance: float) -> str:
     return "not met" if low > tolerance or high < -tolerance else "cannot tell"
 
 
-def _fmt(value: float, fmt: str) -> str:
+def format_value(value: float | None, fmt: str) -> str:
+    """`value` in `fmt`; "n/a" for None or NaN, "inf" / "-inf" whatever `fmt` asks (no "+inf")."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
     return ("inf" if value > 0 else "-inf") if math.isinf(value) else format(value, fmt)
@@ -84,8 +86,8 @@ def _fmt(value: float, fmt: str) -> str:
 
 def _interval_text(values: list[float], fmt: str) -> str:
     mean, low, high = seed_interval(values)
-    seeds = ", ".join(_fmt(v, fmt) for v in values)
-    return f"{_fmt(mean, fmt)} [{_fmt(low, fmt)}, {_fmt(high, fmt)}] (seeds: {seeds})"
+    seeds = ", ".join(format_value(v, fmt) for v in values)
+    return f"{format_value(mean, fmt)} [{format_value(low, fmt)}, {format_value(high, fmt)}] (seeds: {seeds})"
 
 
 def _by_kind(results: list[dict]) -> dict[str, dict[int, dict]]:
@@ -102,11 +104,17 @@ def _paired(a: dict[int, dict], b: dict[int, float], key: str) -> list[float]:
     return [a[s][key] - b[s] for s in sorted(a) if s in b and a[s][key] is not None and b[s] is not None]
 
 
-def _above_control(rows: dict[int, dict], key: str, control: str) -> int:
-    """Seeds whose bootstrap interval of `key` lies wholly above its control's value (directional: an interval
-    below the control is significant the other way and does not count for the claim)."""
-    return sum(1 for r in rows.values() if r.get(f"{key}_ci") and r[f"{key}_ci"][0] is not None
-               and r[control] is not None and r[f"{key}_ci"][0] > r[control])
+def beyond_control(rows: Iterable[dict], key: str, control: str) -> tuple[int, int]:
+    """In how many rows (seeds) the bootstrap interval of `key` lies wholly above / wholly below its random
+    control's value (directional: below the control is significant the other way and does not count for a claim)."""
+    above = below = 0
+    for r in rows:
+        low, high = r.get(f"{key}_ci") or (None, None)
+        if r[control] is None or low is None or high is None:
+            continue
+        above += low > r[control]
+        below += high < r[control]
+    return above, below
 
 
 def _ratio_verdict(lows: list, highs: list, goal: float) -> str:
@@ -128,11 +136,11 @@ def claims(results: list[dict]) -> list[str]:
     n = len(results)
     lines = [f"### Each claim, read out ({n} seeds; intervals: 95 % t over seeds, paired by seed for differences)", ""]
     lines += ["Beside every kind: ΔCE (nats) and dead % (mean over seeds).", ""]
-    for kind, rows in kinds.items():
-        dce = seed_interval([r["delta_ce"] for r in rows.values()])[0]
-        dead = seed_interval([r["dead_pct"] for r in rows.values()])[0]
-        lines.append(f"- {kind}: ΔCE {_fmt(dce, '+.4f')}, dead {_fmt(dead, '.1f')} %, FVU "
-                     f"{_fmt(seed_interval([r['fvu'] for r in rows.values()])[0], '.3f')}")
+    mean = {kind: {key: seed_interval([r[key] for r in rows.values()])[0] for key in ("delta_ce", "dead_pct", "fvu")}
+            for kind, rows in kinds.items()}
+    for kind, m in mean.items():
+        lines.append(f"- {kind}: ΔCE {format_value(m['delta_ce'], '+.4f')}, dead {format_value(m['dead_pct'], '.1f')}"
+                     f" %, FVU {format_value(m['fvu'], '.3f')}")
     lines += ["", f"**1. Masking specificity (Monet)** — goal for the best kind: ≥ {SPECIFICITY_GOAL:g} with its "
               "random "
               f"control in [{CONTROL_BAND[0]:g}, {CONTROL_BAND[1]:g}], at ΔCE ≤ {FAITHFUL_DCE:g}:", ""]
@@ -141,33 +149,32 @@ def claims(results: list[dict]) -> list[str]:
         seeds = sorted(rows)
         spec = [rows[s]["specificity"] for s in seeds]
         control = [rows[s]["random_specificity"] for s in seeds]
-        sig = _above_control(rows, "specificity", "random_specificity")
+        sig = beyond_control(rows.values(), "specificity", "random_specificity")[0]
         lows = [(rows[s].get("specificity_ci") or [None, None])[0] for s in seeds]
         highs = [(rows[s].get("specificity_ci") or [None, None])[1] for s in seeds]
         finite_control = [c for c in control if c is not None and not math.isnan(c)]
         control_median = statistics.median(finite_control) if finite_control else math.nan
-        dce = seed_interval([r["delta_ce"] for r in rows.values()])[0]
         parts = {"specificity ≥ 10": _ratio_verdict(lows, highs, SPECIFICITY_GOAL),
                  "control ≈ 1": ("cannot tell (no finite value)" if math.isnan(control_median) else
                                  "met" if CONTROL_BAND[0] <= control_median <= CONTROL_BAND[1] else "not met"),
-                 "ΔCE ≤ 0.01": "met" if dce <= FAITHFUL_DCE else "not met"}
+                 "ΔCE ≤ 0.01": "met" if mean[kind]["delta_ce"] <= FAITHFUL_DCE else "not met"}
         overall = ("met" if all(v == "met" for v in parts.values()) else
                    "not met" if any(v == "not met" for v in parts.values()) else "cannot tell")
         # The ratio explodes (to ±inf) when ΔCE(others) is noise around 0; the difference in nats does not.
         selectivity = [rows[s]["mask_delta_target"] - rows[s]["mask_delta_others"] for s in seeds]
         random_sel = {s: rows[s]["random_mask_delta_target"] - rows[s]["random_mask_delta_others"] for s in seeds}
         over_random = [sel - random_sel[s] for sel, s in zip(selectivity, seeds)]
-        _, low, high = seed_interval(over_random)
+        excess, low, high = seed_interval(over_random)
         lines.append(
-            f"- {kind}: specificity (seeds) {', '.join(_fmt(v, '.2f') for v in spec)}, document-interval lows "
-            f"{', '.join(_fmt(v, '.2f') for v in lows)}; random control {', '.join(_fmt(v, '.2f') for v in control)}"
-            f" (median {_fmt(control_median, '.2f')}); seeds whose document interval lies above the control: "
+            f"- {kind}: specificity (seeds) {', '.join(format_value(v, '.2f') for v in spec)}, document-interval lows "
+            f"{', '.join(format_value(v, '.2f') for v in lows)}; random control {', '.join(format_value(v, '.2f') for v in control)}"
+            f" (median {format_value(control_median, '.2f')}); seeds whose document interval lies above the control: "
             f"{sig}/{len(rows)} → **{overall}** (" + "; ".join(f"{k}: {v}" for k, v in parts.items()) + "). "
             f"Selectivity ΔCE(domain) − ΔCE(others): {_interval_text(selectivity, '+.4f')} nats; its excess over "
             f"the random units' selectivity (paired by seed) {_interval_text(over_random, '+.4f')} → masking hits "
             f"its domain more than random units: "
             f"**{verdict_above(low, high, 0.0)}**")
-        ranking.append((seed_interval(over_random)[0], kind, over_random))
+        ranking.append((excess, kind, over_random))
     lines += ["", f"**2. Sparse probing (MxD paper)** — MxD's F1 at k = 1 within {PROBE_TOLERANCE:g} of the "
               "transcoder's and above the dense neurons':", ""]
     dense = {res["seed"]: res["dense"]["probe_f1_k1"]["value"] for res in results if res.get("dense")}
@@ -195,7 +202,7 @@ def claims(results: list[dict]) -> list[str]:
         over_random = _paired(rows, random_effect, "steering_effect")
         cost = [-rows[s]["steering_drop_others"] for s in sorted(rows)]
         random_cost = [-rows[s]["random_steering_drop_others"] for s in sorted(rows)]
-        sig = _above_control(rows, "steering_effect", "random_steering_effect")
+        sig = beyond_control(rows.values(), "steering_effect", "random_steering_effect")[0]
         _, low, high = seed_interval(over_random)
         lines.append(f"- {kind}: effect {_interval_text(effect, '+.4f')}, minus random "
                      f"{_interval_text(over_random, '+.4f')} (seeds whose document interval lies above the random "
@@ -209,9 +216,8 @@ def claims(results: list[dict]) -> list[str]:
         lines.append("- fewer than two kinds with a finite selectivity: the data cannot rank them")
     else:
         lines.append("- ranked by masking selectivity over random units (nats, mean over seeds): " + ", ".join(
-            f"{kind} {_fmt(mean, '+.4f')} (ΔCE "
-            f"{_fmt(seed_interval([r['delta_ce'] for r in kinds[kind].values()])[0], '+.4f')})"
-            for mean, kind, _ in ranking))
+            f"{kind} {format_value(excess, '+.4f')} (ΔCE {format_value(mean[kind]['delta_ce'], '+.4f')})"
+            for excess, kind, _ in ranking))
         (_, best, best_values), (_, second, second_values) = ranking[0], ranking[1]
         diff = [a - b for a, b in zip(best_values, second_values)]
         _, low, high = seed_interval(diff)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from ..recipe.layer_config import spec_field_names
+from ..recipe.layer_config import has_selection_bias
 from .card import format_number, format_percent
 from .metrics_schema import load_metrics
 from .run_folder import METRICS, RESOLVED_RECIPE, write_text
@@ -29,13 +29,13 @@ def handling(train: dict, kind: str | None = None) -> str:
     has no selection bias (no top K chosen by a score) is not balanced whatever `train.balance` says, and the row
     says so rather than echo the recipe."""
     parts = []
-    if train.get("balance", "none") != "none" and kind is not None and "selection_bias" not in spec_field_names(kind):
+    balance = train.get("balance", "none")
+    if balance != "none" and kind is not None and not has_selection_bias(kind):
         parts.append("no balancing (no selection bias)")
-    elif train.get("balance", "none") != "none":
-        if train["balance"] == "floor":
-            parts.append(f"floor {train.get('balance_floor', '')}".strip())
-        else:
-            parts.append(f"{train['balance']} {train.get('balance_rate', '')}".strip())
+    elif balance == "floor":
+        parts.append(f"floor {train.get('balance_floor', '')}".strip())
+    elif balance != "none":
+        parts.append(f"{balance} {train.get('balance_rate', '')}".strip())
     if train.get("resample_every_tokens"):
         parts.append(f"resample {train['resample_every_tokens']}")
     if train.get("auxk_coef"):

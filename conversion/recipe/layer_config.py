@@ -13,7 +13,7 @@ from expertize.modeling.sparse_layers import DEFAULT_KIND, LAYER_KINDS
 
 from .coerce import check_field_types, did_you_mean, field_default
 
-__all__ = ["LayerConfig", "spec_class", "spec_field_names"]
+__all__ = ["LayerConfig", "has_selection_bias", "spec_class", "spec_field_names"]
 
 
 # Recipe fields that map onto sparse spec fields of the same name (when the spec has them); `options` may not repeat
@@ -28,6 +28,12 @@ def spec_class(kind: str) -> type[SparseSpec]:
 
 def spec_field_names(kind: str) -> set[str]:
     return {f.name for f in dataclasses.fields(spec_class(kind))}
+
+
+def has_selection_bias(kind: str) -> bool:
+    """Whether `kind` chooses a top K by a score that `train.balance` can bias (its spec has `selection_bias`); the
+    other kinds train unbalanced whatever the recipe asks."""
+    return "selection_bias" in spec_field_names(kind)
 
 
 @dataclasses.dataclass

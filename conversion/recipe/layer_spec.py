@@ -17,7 +17,7 @@ from expertize.modeling.transcoder import TranscoderSpec
 
 from .coerce import RecipeError
 from .param_match import match_parameter_count
-from .layer_config import LayerConfig, spec_class, spec_field_names
+from .layer_config import LayerConfig, has_selection_bias, spec_class, spec_field_names
 from .schema import Recipe
 
 __all__ = ["resolve_layer_spec", "resolve_layers"]
@@ -58,7 +58,7 @@ def resolve_layer_spec(layer: LayerConfig, shape: MlpShape, balance: str = "none
         units: getattr(layer, units),
     }
     fields.update({name: value for name, value in explicit.items() if name in spec_fields and value is not None})
-    if balance != "none" and "selection_bias" in spec_fields:
+    if balance != "none" and has_selection_bias(layer.kind):
         fields["selection_bias"] = True
     fields.update(layer.options)
 
