@@ -34,7 +34,8 @@ from .data.text import iter_sequences, load_eval_sequences, stream_train_tokens
 from .errors import RunFailed
 from .evaluation.evaluate import AblationMemo, evaluate_sparse_layers, spliced_ce
 from .preflight import RunPlan, plan_variants
-from .publishing.metrics_schema import load_metrics
+from .evaluation.reading import quality_verdict
+from .publishing.metrics_schema import Metrics, load_metrics
 from .publishing.model_folder import refresh_model_card
 from .publishing.records import provenance, recipe_summary
 from .publishing.variants_table import VARIANTS_TABLE, write_variants_table
@@ -49,7 +50,7 @@ from .training.engine import rng_state, set_rng_state
 from .training.together import train_together
 from .training.errors import RunInterrupted
 from .training.heal import Healer
-from .training.log import plot_loss_curve
+from .training.log import loss_drop_last_fifth, plot_loss_curve
 
 Log = Callable[[str], None]
 LOSS_PLOT = "loss.png"
@@ -156,6 +157,8 @@ class Trained:
     healed_model: torch.nn.Module | None = None
     heal_summary: dict | None = None
     init_metrics: dict | None = None
+    balance: dict[int, tuple[dict, torch.Tensor]] = field(default_factory=dict)
+    """The balanced layers' (summary, raised units) from distillation (Trainer.balance_summaries)."""
     eval_sequences: torch.Tensor | None = field(default=None, repr=False)
     rng: Any = field(default=None, repr=False)
     """The torch RNG state right after the layers were built: where this run's training draws from."""
@@ -260,6 +263,7 @@ def distil(
             trainer.save_checkpoint()  # a run killed during evaluation resumes straight into it
             run.rng = rng_state()
         run.steps, run.mean_outputs = plan.distill_steps, trainer.mean_outputs
+        run.balance = trainer.balance_summaries()
     return {folder.root.name: diverged[trainer] for trainer, folder in zip(trainers, folders) if trainer in diverged}
 
 
@@ -294,9 +298,13 @@ def publish(
             base, trained.layers, trained.eval_sequences, recipe.eval, plots_dir=stage.plots_dir,
             mean_outputs=trained.mean_outputs, spliced_model=trained.healed_model, progress=progress,
             exclude_token_ids=excluded_token_ids(recipe.data, plan.tokenizer), ablation_memo=ablation_memo,
+            raised_units={i: raised for i, (_, raised) in trained.balance.items()},
         )
+        for i, (summary, _) in trained.balance.items():
+            metrics["layers"][str(i)]["balance"] = summary
         plot_loss_curve([folder.train_log, folder.heal_log], stage.plots_dir / LOSS_PLOT)
-        metrics["train"] = {"steps": trained.steps, "tokens": trained.steps * recipe.train.tokens_per_step}
+        metrics["train"] = {"steps": trained.steps, "tokens": trained.steps * recipe.train.tokens_per_step,
+                            "loss_drop_last_fifth": loss_drop_last_fifth(folder.train_log)}
         if trained.init_metrics is not None:
             metrics["init"] = trained.init_metrics
         if trained.heal_summary is not None:
@@ -313,6 +321,8 @@ def publish(
                 model, base, plan.tokenizer, stage.path, device=accelerator.device, model_name=str(folder.root),
                 base_name=recipe.base_model, log=say if progress else None,
             )
+        verdict = quality_verdict(Metrics.from_dict(metrics))
+        metrics["verdict"] = None if verdict is None else verdict.to_dict()
         nulled = stage.write_metrics(metrics)
         if nulled:
             raise RunFailed(

@@ -27,6 +27,7 @@ from torch import nn
 from expertize.modeling import SparseLayer
 
 from ..data.capture import MlpCapture, kept_positions, replaced_mlps
+from .code_probe import CodeProbe
 from .health import code_health
 from ..training.losses import kl_base_to_other, next_token_ce
 from .metrics import ReconstructionStats
@@ -51,13 +52,14 @@ class _CastToLayer(nn.Module):
             tensor = next(iter(layer.buffers()), None)
         self.device, self.dtype = (None, None) if tensor is None else (tensor.device, tensor.dtype)
 
+    def cast(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states if self.dtype is None else hidden_states.to(self.device, self.dtype)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        x = hidden_states if self.dtype is None else hidden_states.to(self.device, self.dtype)
-        return self.layer(x).to(hidden_states.device, hidden_states.dtype)
+        return self.layer(self.cast(hidden_states)).to(hidden_states.device, hidden_states.dtype)
 
     def encode(self, hidden_states: torch.Tensor):
-        x = hidden_states if self.dtype is None else hidden_states.to(self.device, self.dtype)
-        return self.layer.encode(x)
+        return self.layer.encode(self.cast(hidden_states))
 
 
 class _ConstantMlp(nn.Module):
@@ -122,10 +124,6 @@ class _UnitFiring:
             "usage_entropy": entropy,
             "effective_units": math.exp(entropy),
         }
-        out["health"] = code_health(
-            dead_fraction=out["dead_fraction"], l0=out["l0"], k=self.k, effective_units=out["effective_units"],
-            num_units=self.num_units,
-        )
         return out
 
 
@@ -258,10 +256,13 @@ def evaluate_sparse_layers(
     progress: bool = True,
     exclude_token_ids: Collection[int] = (),
     ablation_memo: AblationMemo | None = None,
+    raised_units: Mapping[int, torch.Tensor] | None = None,
 ) -> dict:
     """Reconstruction, CE and generation faithfulness of `layers` spliced into the base causal LM `model`.
 
     ablation_memo: shared by evaluations whose ablated forwards coincide (a recipe's variants): see AblationMemo.
+    raised_units: {layer: (S,) bool} the units whose selection bias the training's balancing raised; the report then
+    counts how many of them fire on the held-out tokens (`raised_firing`, code_probe.py).
 
     exclude_token_ids: positions holding one of these tokens (`data.capture.excluded_token_ids`: the special tokens)
     are left out of the reconstruction metrics (NMSE, FVU, MSE, L0, dead units, firing histogram); CE, KL and the
@@ -297,6 +298,7 @@ def evaluate_sparse_layers(
     with _eval_mode(model, *others, *layers.values()):
         stats = {i: ReconstructionStats() for i in indices}
         firing = {i: _UnitFiring(layers[i].num_units, getattr(layers[i], "target_l0", None)) for i in indices}
+        probes = {i: CodeProbe(layers[i]) for i in indices}
         ce = _CeSums()
         positions = _Positions(exclude_token_ids)
         means = None if mean_outputs is None else {i: _ConstantMlp(mean_outputs[i].detach()) for i in indices}
@@ -311,7 +313,7 @@ def evaluate_sparse_layers(
             return memo.value(key, item, compute)
 
         for b, input_ids in enumerate(_batches(model, eval_sequences, cfg.batch_sequences, progress, "eval")):
-            _reconstruction_and_ce(model, input_ids, spliced, stats, firing, ce, spliced_model, positions)
+            _reconstruction_and_ce(model, input_ids, spliced, stats, firing, ce, spliced_model, positions, probes)
             ce.sums["zero_ablation"] += ablated(("zero", b), zeros, input_ids)
             if means is not None:
                 ce.sums["mean_ablation"] += ablated(("mean", b), means, input_ids)
@@ -321,6 +323,7 @@ def evaluate_sparse_layers(
             for b, input_ids in enumerate(batches):
                 ce.sums["mean_ablation"] += ablated(("eval mean", b), means, input_ids)
         generation = _generation_faithfulness(model, spliced, eval_sequences, cfg, progress, spliced_model)
+        probed = {i: probes[i].summary(None if raised_units is None else raised_units.get(i)) for i in indices}
 
     eval_tokens = eval_sequences.numel()
     report_layers = {}
@@ -333,7 +336,13 @@ def evaluate_sparse_layers(
                     layer=i,
                 )
             )
-        report_layers[str(i)] = {**stats[i].as_dict(), **firing[i].summary(), "firing_frequency_histogram": histogram}
+        code = firing[i].summary()
+        probe = probed[i]
+        report_layers[str(i)] = {**stats[i].as_dict(), **code, **probe, "firing_frequency_histogram": histogram}
+        report_layers[str(i)]["health"] = code_health(
+            dead_fraction=code["dead_fraction"], l0=code["l0"], k=firing[i].k, effective_units=code["effective_units"],
+            num_units=code["num_units"], code_share=probe["code_share"], bias_altered=probe["bias_altered"],
+        )
     if generation is not None:
         plot = None
         if plots_dir is not None:
@@ -390,6 +399,7 @@ def _reconstruction_and_ce(
     ce: _CeSums,
     spliced_model: nn.Module | None = None,
     positions: "_Positions | None" = None,
+    probes: Mapping[int, CodeProbe] | None = None,
 ) -> None:
     """One batch: one base forward gives the MLP (x, y) pairs and the base logits; then the spliced run (the ablated
     runs are the caller's)."""
@@ -403,7 +413,11 @@ def _reconstruction_and_ce(
         if keep is not None:
             x, y = x[keep], y[keep]
         stats[i].update(spliced[i](x), y)
-        firing[i].update(*spliced[i].encode(x))
+        code = spliced[i].encode(x)
+        firing[i].update(*code)
+        if probes is not None:
+            x = spliced[i].cast(x)
+            probes[i].update(x, y.to(x.dtype), code)
     del captured
     ce.predicted_tokens += input_ids.shape[0] * (input_ids.shape[1] - 1)
     ce.add("base", base_logits, input_ids)

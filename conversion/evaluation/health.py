@@ -9,16 +9,23 @@ Bounds (held-out tokens, `evaluation.evaluate`):
 - dead: more than DEAD_BOUND of the units never fired;
 - collapsed: a top-K kind's mean L0 below COLLAPSE_BOUND · K (most selected units have a zero weight);
 - concentrated: the effective number of units exp(H) of the firing distribution below CONCENTRATION_BOUND of the
-  units that fire at all (a few units take most of the firings).
+  units that fire at all (a few units take most of the firings);
+- dense path: the per-token code carries less than CODE_SHARE_BOUND of the variance the layer explains (giving every
+  token the average code loses almost nothing: code_probe.py), so the fidelity is the dense path's, not the code's;
+- selection bias: a bias left in the saved model changes more than BIAS_ALTERED_BOUND of the code's choices on
+  held-out tokens (each a unit chosen over a better-scoring one).
 """
 
 DEAD_BOUND = 0.10
 COLLAPSE_BOUND = 0.5
 CONCENTRATION_BOUND = 0.1
+CODE_SHARE_BOUND = 0.1
+BIAS_ALTERED_BOUND = 0.05
 
 
 def code_health(
-    *, dead_fraction: float, l0: float, k: int | None, effective_units: float | None, num_units: int
+    *, dead_fraction: float, l0: float, k: int | None, effective_units: float | None, num_units: int,
+    code_share: float | None = None, bias_altered: float | None = None,
 ) -> list[str]:
     """Warnings for one layer's code (empty when healthy). `k`: the kind's top K (None for kinds without one)."""
     warnings = []
@@ -42,5 +49,19 @@ def code_health(
             f"concentrated: the firings spread like {effective_units:.0f} equally used units, of {live:.0f} that "
             f"fire (bound {CONCENTRATION_BOUND:.0%}): a few units take most tokens. Fix: train.balance: bias (every "
             "unit held at its fair share)"
+        )
+    if code_share is not None and code_share < CODE_SHARE_BOUND:
+        warnings.append(
+            f"dense path: the per-token code carries {code_share:.0%} of the variance this layer explains (bound "
+            f"{CODE_SHARE_BOUND:.0%}): giving every token the average code loses almost nothing, so the fidelity is "
+            "the dense path's (MxD's hidden code, a skip connection) and the code explains little. Fix: a lower "
+            "train.lr, more data.train_tokens, or a kind without a dense path (transcoder)"
+        )
+    if bias_altered is not None and bias_altered > BIAS_ALTERED_BOUND:
+        warnings.append(
+            f"selection bias: the bias saved with the layer changes {bias_altered:.0%} of the code's choices on the "
+            f"held-out tokens (bound {BIAS_ALTERED_BOUND:.0%}); each is a unit chosen over a better-scoring one, a "
+            "cost in fidelity. Fix: train.balance_anneal: [0.5, 0.8] (the default), which decays the bias to 0 "
+            "before the end of training"
         )
     return warnings

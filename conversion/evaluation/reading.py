@@ -1,22 +1,38 @@
-"""How to read a run's key metrics: what a good and a bad value look like, for the end of `expertize upcycle`.
+"""How to read a run's key metrics: one verdict on the replacement, then what each metric says, for the end of
+`expertize upcycle`, metrics.json (`verdict`) and the model card.
 
-The bare numbers ("greedy continuations identical to base: 0.00%", "dead 49%") tell a newcomer nothing about whether
-the run worked. Each line here says what the metric measures, which end is good, and where this run stands against
-rules of thumb: the MxD paper's ΔCE at a full budget (+0.003 nats, GPT-2, K=32) and, for dead units, the bound of the
+The verdict asks whether the sparse layers behave like the MLPs they replace, so it reads the metrics that measure
+that directly — each layer's FVU, KL(base ‖ spliced) and the CE recovered between the ablation baselines — and
+takes the worst grade among them. ΔCE alone cannot grade a run: on text the base does not model, the spliced model can
+beat the base (a negative ΔCE) while reconstructing nothing (FVU > 1), and removing the MLP may not hurt at all. When
+the mean and zero ablations raise the CE by less than ABLATION_GAP nats, the text cannot tell a faithful replacement
+from a broken one by CE, and the verdict says "cannot judge" unless FVU or KL already show it is poor.
+
+Rules of thumb: the MxD paper's ΔCE at a full budget (+0.003 nats, GPT-2, K=32); for dead units, the bound of the
 code-health warning (health.DEAD_BOUND: one number, so a run graded "poor" is the run that was warned about).
 """
+
+import dataclasses
 
 from ..publishing.metrics_schema import Metrics
 from .health import DEAD_BOUND
 
-__all__ = ["GRADES", "reading_lines"]
+__all__ = ["ABLATION_GAP", "CE_RECOVERED", "GRADES", "Verdict", "quality_verdict", "reading_lines"]
 
 GRADES = {
     "ΔCE": (0.02, 0.1),
+    "KL": (0.02, 0.1),
     "FVU": (0.1, 0.3),
     "dead": (0.05, DEAD_BOUND),
 }
-"""Rules of thumb (good below the first bound, poor above the second, fair between)."""
+"""Rules of thumb, lower is better: good below the first bound, poor above the second, fair between."""
+CE_RECOVERED = (0.9, 0.5)
+"""CE recovered vs the mean ablation, higher is better: good at or above the first bound, poor below the second."""
+ABLATION_GAP = 0.05
+"""nats: below this rise of the CE under both ablations, the text cannot judge a replacement by its CE."""
+LOSS_DROP_BOUND = 0.1
+"""A training loss that still fell by more than this fraction over the run's last fifth: the run looks under-trained."""
+_ORDER = ("good", "fair", "poor")
 
 
 def _grade(metric: str, value: float) -> str:
@@ -24,23 +40,101 @@ def _grade(metric: str, value: float) -> str:
     return "good" if value < good else "poor" if value > poor else "fair"
 
 
+def _grade_recovered(value: float) -> str:
+    good, poor = CE_RECOVERED
+    return "good" if value >= good else "poor" if value < poor else "fair"
+
+
+@dataclasses.dataclass
+class Verdict:
+    """Whether the replacement behaves like the MLP: `grade` is "good", "fair", "poor" or "cannot judge", and
+    `reasons` name the metric behind it (worst first)."""
+
+    grade: str
+    reasons: list[str]
+
+    def line(self) -> str:
+        return f"verdict: {self.grade} — " + "; ".join(self.reasons)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def ablations_judge(metrics: Metrics) -> bool | None:
+    """Whether removing the MLPs raises the CE on the evaluation text enough (ABLATION_GAP) to judge a replacement by
+    its CE; None when the ablations were not measured."""
+    ce = metrics.ce
+    if ce is None or ce.base is None or ce.mean_ablation is None:
+        return None
+    rises = [a - ce.base for a in (ce.mean_ablation, ce.zero_ablation) if a is not None]
+    return min(rises) >= ABLATION_GAP
+
+
+def quality_verdict(metrics: Metrics) -> Verdict | None:
+    """The verdict on the replacement (None when the run has no evaluation to judge)."""
+    graded: list[tuple[str, str]] = []  # (grade, reason)
+    for index, layer in sorted(metrics.layers.items(), key=lambda kv: int(kv[0])):
+        if layer.fvu is not None:
+            grade = _grade("FVU", layer.fvu)
+            graded.append((grade, f"layer {index} FVU {layer.fvu:.3f} is {grade} (good < {GRADES['FVU'][0]}, "
+                                  f"poor > {GRADES['FVU'][1]})"))
+    ce = metrics.ce
+    if ce is not None and ce.kl_base_spliced is not None:
+        grade = _grade("KL", ce.kl_base_spliced)
+        graded.append((grade, f"KL(base ‖ spliced) {ce.kl_base_spliced:.3f} nats/token is {grade} (good < "
+                              f"{GRADES['KL'][0]}, poor > {GRADES['KL'][1]})"))
+    judge = ablations_judge(metrics)
+    unjudged = None
+    if judge and ce.ce_recovered_mean is not None:
+        grade = _grade_recovered(ce.ce_recovered_mean)
+        graded.append((grade, f"CE recovered {ce.ce_recovered_mean:.0%} is {grade} (good ≥ {CE_RECOVERED[0]:.0%}, "
+                              f"poor < {CE_RECOVERED[1]:.0%})"))
+    elif judge is False:
+        zero = f", zero ablation {ce.zero_ablation:.3f}" if ce.zero_ablation is not None else ""
+        unjudged = (f"this text cannot judge the replacement by its CE: removing the MLP barely changes it (mean "
+                    f"ablation {ce.mean_ablation:.3f}{zero} vs base {ce.base:.3f} nats, a rise under "
+                    f"{ABLATION_GAP} nats); evaluate on text the base models (data.eval_paths)")
+    if not graded:
+        return None
+    worst = max(_ORDER.index(g) for g, _ in graded)
+    reasons = [r for g, r in sorted(graded, key=lambda gr: -_ORDER.index(gr[0]))]
+    if unjudged is not None and _ORDER[worst] != "poor":
+        return Verdict("cannot judge", [unjudged] + reasons)
+    return Verdict(_ORDER[worst], reasons + ([unjudged] if unjudged else []))
+
+
 def _agree_for(curve: list[float]) -> int:
     """How many leading generated tokens at least half of the continuations share with the base's."""
     return next((i for i, share in enumerate(curve) if share < 0.5), len(curve))
 
 
+def _dead(fraction: float) -> str:
+    """A dead fraction as a percentage that never rounds a nonzero share to 0 %."""
+    if 0 < fraction < 0.01:
+        return f"{fraction:.2%}"
+    return f"{fraction:.0%}"
+
+
 def reading_lines(metrics: Metrics) -> list[str]:
-    """A few lines: for ΔCE, FVU, dead units and the greedy-continuation match, what good and bad look like and
-    where this run stands (lines for metrics the run does not have are left out)."""
+    """A few lines: the verdict, then for ΔCE, FVU, dead units and the greedy-continuation match, what good and bad
+    look like and where this run stands (lines for metrics the run does not have are left out)."""
     out = []
+    verdict = quality_verdict(metrics)
+    if verdict is not None:
+        out.append(verdict.line())
     ce = metrics.ce
     if ce is not None and ce.delta is not None:
         recovered = (f"; CE recovered {ce.ce_recovered_mean:.0%} (100 % = the base, 0 % = no better than the MLP's "
                      "mean output)" if ce.ce_recovered_mean is not None else "")
+        if ce.delta < 0 or ablations_judge(metrics) is False:
+            standing = ("is not a grade: on this text the spliced model's loss is below the base's or removing the "
+                        "MLP does not hurt, so ΔCE says nothing about fidelity (read the verdict's FVU and KL)")
+        else:
+            standing = f"is {_grade('ΔCE', ce.delta)}"
         out.append(
-            f"ΔCE {ce.delta:+.3f} nats is {_grade('ΔCE', ce.delta)}: the next-token loss the replacement adds on the "
-            f"held-out documents (0 = lossless; good < {GRADES['ΔCE'][0]}, poor > {GRADES['ΔCE'][1]}; the MxD paper "
-            f"reaches +0.003 with a full budget){recovered}"
+            f"ΔCE {ce.delta:+.3f} nats {standing}: the next-token loss the replacement adds on the held-out documents "
+            f"(0 = lossless; good < {GRADES['ΔCE'][0]}, poor > {GRADES['ΔCE'][1]}; the MxD paper reaches +0.003 with "
+            f"a full budget){recovered}"
         )
     for index, layer in sorted(metrics.layers.items(), key=lambda kv: int(kv[0])):
         if layer.fvu is not None:
@@ -51,10 +145,16 @@ def reading_lines(metrics: Metrics) -> list[str]:
             )
         if layer.dead_fraction is not None:
             out.append(
-                f"layer {index}: {layer.dead_fraction:.0%} dead is {_grade('dead', layer.dead_fraction)}: units that "
-                f"never fired on the held-out text are parameters wasted (a few % is healthy, poor > "
+                f"layer {index}: {_dead(layer.dead_fraction)} dead is {_grade('dead', layer.dead_fraction)}: units "
+                f"that never fired on the held-out text are parameters wasted (a few % is healthy, poor > "
                 f"{GRADES['dead'][1]:.0%}, the health warning's bound); train.balance (default floor) and more "
                 f"data.train_tokens revive them (docs/dead_units.md)"
+            )
+        if layer.code_share is not None:
+            out.append(
+                f"layer {index}: the per-token code carries {layer.code_share:.0%} of the variance the layer explains "
+                "(100 % = all of it, as a transcoder; near 0 = a dense path does the work and the code explains "
+                "little)"
             )
     generation = metrics.generation
     if generation is not None and generation.match_at_end is not None and generation.match_curve:
@@ -69,6 +169,13 @@ def reading_lines(metrics: Metrics) -> list[str]:
     if out and train is not None and train.tokens:
         out.append(f"trained on {train.tokens:,} tokens: ΔCE, FVU and dead units improve with data.train_tokens "
                    "(the quickstart's 200,000 are a one-minute demo)")
+    if out and train is not None and train.loss_drop_last_fifth is not None \
+            and train.loss_drop_last_fifth > LOSS_DROP_BOUND:
+        out.append(
+            f"under-trained: the training loss still fell {train.loss_drop_last_fifth:.0%} over the last fifth of the "
+            f"run (bound {LOSS_DROP_BOUND:.0%}): more data.train_tokens would lower FVU and KL further "
+            "(plots/loss_curve.png)"
+        )
     if out and metrics.lm_eval is not None and metrics.lm_eval.tasks:
         out.append("lm-eval scores other text, each document from its start: there the model can even beat its base "
                    "while ΔCE is positive (docs/eval.md: when lm-eval and ΔCE disagree)")

@@ -130,6 +130,21 @@ def _coerce(hint: Any, value: Any, path: str) -> Any:
 
 
 @dataclass
+class BalanceSummary(_Section):
+    """The selection-bias balancing of one layer during training (training/balance.py)."""
+
+    rule: str | None = None
+    """"floor" or "bias" (train.balance)."""
+    floor: float | None = None
+    anneal: list[float] | None = None
+    """[start, end] fractions of the run over which the bias decayed to 0; None: held to the end."""
+    units_raised: int | None = None
+    """Units whose bias the rule raised above 0 at some step (the units it helped)."""
+    bias_at_end: bool | None = None
+    """Whether a nonzero bias is saved with the layer (routing at inference uses it)."""
+
+
+@dataclass
 class LayerMetrics(_Section):
     """Reconstruction of one replaced MLP on held-out tokens, and its sparse code."""
 
@@ -144,8 +159,21 @@ class LayerMetrics(_Section):
     usage_entropy: float | None = None
     """Entropy (nats) of the firings' distribution over the units (log N when all fire equally often)."""
     effective_units: float | None = field(default=None, metadata=_title("effective units (exp entropy)"))
+    fvu_mean_code: float | None = None
+    """FVU with every token given the layer's average code (evaluation/code_probe.py)."""
+    code_share: float | None = field(default=None, metadata=_title("share of fidelity from the code", "percent"))
+    """(fvu_mean_code − FVU) / (1 − FVU): the share of the explained variance the per-token code carries (1 for a
+    transcoder; near 0 when a dense path does the work)."""
+    bias_altered: float | None = None
+    """Share of the code's choices a selection bias saved with the layer changes on held-out tokens (0 when the
+    bias was annealed away; None for layers without one)."""
+    raised_firing: int | None = None
+    """Of the units whose selection bias the balancing raised during training, how many fire on the held-out tokens."""
+    balance: BalanceSummary | None = None
+    """What the training's selection-bias balancing did (None when the layer trained without it)."""
     health: list[str] = field(default_factory=list)
-    """Warnings about the code (dead, collapsed, concentrated: evaluation/health.py); empty when healthy."""
+    """Warnings about the code (dead, collapsed, concentrated, dense path, selection bias: evaluation/health.py);
+    empty when healthy."""
     firing_frequency_histogram: str | None = None
     """Path of the PNG, relative to the model folder."""
 
@@ -193,6 +221,8 @@ class ReconstructionPositions(_Section):
 class TrainSummary(_Section):
     steps: int | None = None
     tokens: int | None = None
+    loss_drop_last_fifth: float | None = None
+    """How much the training loss still fell over the run's last fifth (training/log.py): large = under-trained."""
 
 
 @dataclass
@@ -267,6 +297,9 @@ class Metrics(_Section):
     heal: HealSummary | None = None
     recipe_summary: dict[str, Any] = field(default_factory=dict)
     lm_eval: LmEval | None = None
+    verdict: dict[str, Any] | None = None
+    """Whether the replacement behaves like the MLP: {"grade": good | fair | poor | cannot judge, "reasons": [...]}
+    (evaluation/reading.py's quality_verdict, from FVU, KL and CE recovered)."""
 
     @property
     def evaluated(self) -> bool:

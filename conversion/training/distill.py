@@ -114,7 +114,8 @@ class Trainer(Engine):
             i: auto_k_aux(layers[i].spec.d_out) if cfg.auxk_k == "auto" else cfg.auxk_k for i in self.auxk_layers
         }
         self.balancers = {
-            i: SelectionBalancer(layer, cfg.balance_rate, cfg.balance_floor if cfg.balance == "floor" else None)
+            i: SelectionBalancer(layer, cfg.balance_rate, cfg.balance_floor if cfg.balance == "floor" else None,
+                                 None if cfg.balance_anneal is None else tuple(cfg.balance_anneal))
             for i, layer in layers.items()
             if cfg.balance != "none" and balanced(layer)
         }
@@ -249,7 +250,8 @@ class Trainer(Engine):
             load, scale = balancer.step_stats(*self._codes[i])
             if reduce is not None:  # every rank moves the bias the same way
                 load, scale = reduce(load), reduce(scale)
-            balancer.update(load, scale, lr=self.optimizer.param_groups[0]["lr"], step_tokens=self.tokens_per_step)
+            balancer.update(load, scale, lr=self.optimizer.param_groups[0]["lr"], step_tokens=self.tokens_per_step,
+                            progress=(self.step + 1) / self.total_steps)
 
     def record(self, parts) -> dict:
         losses, auxk = parts
@@ -277,6 +279,11 @@ class Trainer(Engine):
         if auxk:
             record["auxk"] = sum(v.item() for v in auxk.values()) / len(auxk)
         return {**record, "layers": per_layer}
+
+    def balance_summaries(self) -> dict[int, tuple[dict, torch.Tensor]]:
+        """{layer: (what its balancing did, for metrics.json; (S,) the units whose bias it raised)} of the balanced
+        layers."""
+        return {i: (balancer.summary(), balancer.raised.cpu()) for i, balancer in self.balancers.items()}
 
     def postfix(self, record: dict) -> dict:
         return {"loss": f"{record['loss']:.4g}", "l0": f"{record['l0']:.1f}", "dead": record["dead"]}

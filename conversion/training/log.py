@@ -43,6 +43,24 @@ def read_log(path: Path) -> list[dict]:
     return [record for line in path.read_text(encoding="utf-8").splitlines() if (record := _parse(line))]
 
 
+def loss_drop_last_fifth(path: Path) -> float | None:
+    """How much the training loss still fell over the run's last fifth: (mean loss of the records in the 70–80 % steps
+    − that of the 90–100 % steps) / the former; None when a window holds no record (too few log steps)."""
+    records = [r for r in read_log(path) if isinstance(r.get("loss"), (int, float))]
+    if not records:
+        return None
+    last = records[-1]["step"]
+
+    def mean_loss(low: float, high: float) -> float | None:
+        losses = [r["loss"] for r in records if low * last <= r["step"] <= high * last]
+        return sum(losses) / len(losses) if losses else None
+
+    before, after = mean_loss(0.7, 0.8), mean_loss(0.9, 1.0)
+    if before is None or after is None or before <= 0:
+        return None
+    return (before - after) / before
+
+
 def _parse(line: str) -> dict | None:
     try:
         return json.loads(line) if line.strip() else None
