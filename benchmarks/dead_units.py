@@ -16,7 +16,7 @@ Models (real trained networks only; `--models`):
 Budgets: `--budgets small,large`, 4x apart (BUDGETS: quickstart 50,000 / 200,000 tokens (its shipped budget), tiny
 models 81,920 / 327,680, SmolLM2 65,536 / 262,144); 1,024 tokens per step, warm-up a tenth of the steps (the
 quickstart: its own 50 of 195, scaled), cosine to 0.1 lr, NMSE, fp32.
-Learning rates: `--lrs rule,rule/3`: the default rule's rate (`train.lr: auto`, conversion/training/lr_rule.py) and a
+Learning rates: `--lrs rule,rule/3`: the default rule's rate (`train.lr: auto`, conversion/recipe/lr_rule.py) and a
 3x lower one, or numbers.
 
 Methods (recipe `train:` keys; every method sets every key, so that none inherits a default by accident):
@@ -81,14 +81,16 @@ def model_tree(name: str, args, budget: str, seed: int) -> dict:
     """The recipe of one (model, budget, seed) run, without its variants."""
     data = Path(args.data) if args.data else None
     tokens = BUDGETS[name][("small", "large").index(budget)]
-    train = {**TRAIN, "seed": seed, "warmup_steps": max(1, tokens // TRAIN["tokens_per_step"] // 10)}
+    per_step = args.tokens_per_step
+    train = {**TRAIN, "seed": seed, "tokens_per_step": per_step, "warmup_steps": max(1, tokens // per_step // 10)}
     if name == "quickstart":
         from expertize.conversion.recipe import load_recipe, recipe_to_dict
 
         tree = recipe_to_dict(load_recipe("quickstart"))  # the shipped recipe, its ${EXPERTIZE_ASSETS} resolved
         tree["data"]["train_tokens"] = tokens
         # its own warm-up (50 of its 195 steps), scaled with the budget
-        tree["train"].update({**train, "warmup_steps": tree["train"]["warmup_steps"] * tokens // 200_000})
+        tree["train"].update({**train, "warmup_steps": max(1, tree["train"]["warmup_steps"] * tokens // 200_000
+                                                           * 1024 // per_step)})
         tree["eval"].update(EVAL)
         tree["layer"].update({"match_transcoder": 32})
         return tree
@@ -100,7 +102,7 @@ def model_tree(name: str, args, budget: str, seed: int) -> dict:
             "layer": {"kind": "mxd", "k": 32, "match_transcoder": 8},
             "data": {"source": "jsonl", "paths": paths, "context_length": 128, "train_tokens": tokens,
                      "eval_tokens": 8_192, "eval_fraction": 0.05},
-            "train": {**train, "shuffle_buffer_tokens": 65_536, "capture_batch_sequences": 16},
+            "train": {**train, "shuffle_buffer_tokens": max(65_536, per_step), "capture_batch_sequences": 16},
             "eval": {**EVAL, "batch_sequences": 8},
         }
     folder, corpus, separator, layer = {
@@ -121,7 +123,7 @@ MODELS = ("quickstart", "tiny-gpt2-shakespeare", "stories260k", "smollm2")
 def resolve_lr(spec: str, tree: dict, kind: str) -> float:
     """`rule`, `rule/3` or a number -> the learning rate of `kind` on the run `tree`."""
     if spec.startswith("rule"):
-        from expertize.conversion.training.lr_rule import rule_lr
+        from expertize.conversion.recipe.lr_rule import rule_lr
 
         divisor = float(spec.split("/", 1)[1]) if "/" in spec else 1.0
         steps = tree["data"]["train_tokens"] // tree["train"]["tokens_per_step"]
@@ -131,7 +133,8 @@ def resolve_lr(spec: str, tree: dict, kind: str) -> float:
 
 def run_tree(name: str, args, budget: int, seed: int, root: Path) -> tuple[dict, list[dict]]:
     tree = model_tree(name, args, budget, seed)
-    tree["output_dir"] = str(root / f"{name}-{budget}-s{seed}")
+    suffix = "" if args.tokens_per_step == TRAIN["tokens_per_step"] else f"-t{args.tokens_per_step}"
+    tree["output_dir"] = str(root / f"{name}-{budget}{suffix}-s{seed}")
     if name == "smollm2":
         tree["data"]["activation_cache"] = str(ensure_cache(args, tree))
     ks = {"quickstart": (8, 16, 32)}.get(name, (8, 32))
@@ -145,7 +148,8 @@ def run_tree(name: str, args, budget: int, seed: int, root: Path) -> tuple[dict,
                     vname = f"{kind}-k{k}-lr{lr:.3g}-{method}"
                     variants.append({"name": vname, "layer": {"kind": kind, "k": k, "match_transcoder": match},
                                      "train": {"lr": lr, **METHODS[method]}})
-                    settings.append({"model": name, "budget": tree["data"]["train_tokens"], "kind": kind, "k": k,
+                    settings.append({"model": name, "budget": tree["data"]["train_tokens"],
+                                     "tokens_per_step": tree["train"]["tokens_per_step"], "kind": kind, "k": k,
                                      "lr": lr, "lr_spec": lr_spec, "method": method, "seed": seed, "name": vname})
     tree["variants"] = variants
     return tree, settings
@@ -189,39 +193,46 @@ def dead_bound(k: int) -> float:
     return 0.10 if k <= 8 else 0.05
 
 
-def row_verdict(dead: float, k: int, fvu_ratio: tuple, kl_ratio: tuple | None) -> str:
+def row_verdict(dead: float, k: int, fvu_ratio: tuple | None, kl_ratio: tuple | None) -> str:
     """pass / FAIL: dead under its bound and neither ratio's interval wholly above 1 (none's row: dead only)."""
     problems = []
     if dead > dead_bound(k):
         problems.append("dead")
-    if kl_ratio is not None:
-        for label, (_, low, _) in (("FVU", fvu_ratio), ("KL", kl_ratio)):
-            if low > 1.0:
-                problems.append(label)
+    for label, ratio in (("FVU", fvu_ratio), ("KL", kl_ratio)):
+        if ratio is not None and ratio[1] > 1.0:
+            problems.append(label)
     return "pass" if not problems else "FAIL (" + ", ".join(problems) + ")"
 
 
+KEY = ("model", "budget", "tokens_per_step", "kind", "k", "lr", "method")
+"""A row of the table: the rows of every seed that share these."""
+
+
+def _key(r: dict) -> tuple:
+    return tuple(r.get(f, 1024) if f == "tokens_per_step" else r[f] for f in KEY)
+
+
 def table(rows: list[dict]) -> tuple[str, list[dict]]:
-    """The Markdown table (one line per model, budget, kind, K, lr, method) and the default method's verdicts."""
+    """The Markdown table (one line per KEY) and every line's verdict."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["model"], r["budget"], r["kind"], r["k"], r["lr"], r["method"]), []).append(r)
-    none = {key[:5]: {r["seed"]: r for r in rs} for key, rs in groups.items() if key[5] == "none"}
-    lines = ["| model | tokens | kind | K | lr | method | seeds | dead % | effective units | L0 (/K) | FVU | KL | ΔCE "
-             "| FVU vs none | KL vs none | verdict |", "|" + "---|" * 16]
+        groups.setdefault(_key(r), []).append(r)
+    none = {key[:-1]: {r["seed"]: r for r in rs} for key, rs in groups.items() if key[-1] == "none"}
+    lines = ["| model | tokens (steps) | kind | K | lr | method | seeds | dead % | effective units | L0 (/K) | FVU | KL "
+             "| ΔCE | FVU vs none | KL vs none | verdict |", "|" + "---|" * 16]
     verdicts = []
-    for key in sorted(groups, key=lambda k: (MODELS.index(k[0]), k[1], k[2], k[3], -k[4], k[5])):
+    for key in sorted(groups, key=lambda k: (MODELS.index(k[0]), k[1], k[2], k[3], k[4], -k[5], k[6])):
         rs = sorted(groups[key], key=lambda r: r["seed"])
-        model, budget, kind, k, lr, method = key
+        model, budget, per_step, kind, k, lr, method = key
         dead = statistics.fmean(r["dead"] for r in rs)
         ratios = {"fvu": None, "kl": None}
-        base = none.get(key[:5])
+        base = none.get(key[:-1])
         if base is not None and method != "none":
             for metric in ratios:
                 per_seed = [r[metric] / base[r["seed"]][metric] for r in rs if r["seed"] in base]
                 ratios[metric] = seed_interval(per_seed) if per_seed else None
-        verdict = row_verdict(dead, k, ratios["fvu"], ratios["kl"]) if ratios["fvu"] else row_verdict(dead, k, (0, 0, 0), None)
-        verdicts.append({"key": key, "verdict": verdict})
+        verdict = row_verdict(dead, k, ratios["fvu"], ratios["kl"])
+        verdicts.append({"key": dict(zip(KEY, key)), "verdict": verdict})
         ratio_cells = [
             "" if ratios[m] is None else (
                 format_value(ratios[m][0], ".3f") if not math.isfinite(ratios[m][1])
@@ -230,7 +241,7 @@ def table(rows: list[dict]) -> tuple[str, list[dict]]:
         ]
         l0 = statistics.fmean(r["l0"] for r in rs)
         lines.append(
-            f"| {model} | {budget:,} | {kind} | {k} | {lr:.3g} | {method} | {len(rs)} | "
+            f"| {model} | {budget:,} ({budget // per_step}) | {kind} | {k} | {lr:.3g} | {method} | {len(rs)} | "
             f"{_cell([r['dead'] for r in rs], '.1f', 100)} | {_cell([r['effective'] for r in rs], '.0f')} | "
             f"{l0:.1f} ({l0 / k:.2f}) | {_cell([r['fvu'] for r in rs], '.4f')} | {_cell([r['kl'] for r in rs], '.4f')} | "
             f"{_cell([r['delta_ce'] for r in rs], '+.4f')} | {ratio_cells[0]} | {ratio_cells[1]} | {verdict} |"
@@ -242,14 +253,40 @@ def summary(verdicts: list[dict]) -> str:
     """Per method: rows passed, and the rows it fails, named."""
     by_method: dict[str, list[dict]] = {}
     for v in verdicts:
-        by_method.setdefault(v["key"][5], []).append(v)
+        by_method.setdefault(v["key"]["method"], []).append(v)
     out = []
     for method, vs in by_method.items():
         failed = [v for v in vs if v["verdict"] != "pass"]
-        out.append(f"- **{method}**: {len(vs) - len(failed)} of {len(vs)} rows pass" + (
-            "; fails: " + "; ".join(f"{m} {b:,} {kind} K={k} lr {lr:.3g} ({v['verdict'][6:-1]})"
-                                     for v in failed for (m, b, kind, k, lr, _) in [v["key"]]) if failed else ""))
+        named = "; ".join(
+            f"{v['key']['model']} {v['key']['budget']:,} {v['key']['kind']} K={v['key']['k']} lr {v['key']['lr']:.3g} "
+            f"({v['verdict'][6:-1]})" for v in failed)
+        out.append(f"- **{method}**: {len(vs) - len(failed)} of {len(vs)} rows pass" + (f"; fails: {named}" if named else ""))
     return "\n".join(out)
+
+
+def best_lrs(rows: list[dict]) -> str:
+    """With several learning rates: per (model, tokens, steps, kind, K, method), the lr of the lowest mean KL among
+    the lrs whose code did not collapse (mean L0 ≥ K / 2) — the evidence behind `train.lr: auto`."""
+    groups: dict[tuple, dict[float, list[dict]]] = {}
+    for r in rows:
+        key = _key(r)
+        groups.setdefault(key[:5] + key[6:], {}).setdefault(key[5], []).append(r)
+    out = []
+    for key in sorted(groups, key=lambda k: (MODELS.index(k[0]), k[1:])):
+        by_lr = groups[key]
+        if len(by_lr) < 2:
+            continue
+        stats = {lr: (statistics.fmean(r["kl"] for r in rs), statistics.fmean(r["l0"] for r in rs))
+                 for lr, rs in by_lr.items()}
+        healthy = {lr: kl for lr, (kl, l0) in stats.items() if l0 >= key[4] / 2} or {lr: kl for lr, (kl, _) in stats.items()}
+        best = min(healthy, key=healthy.get)
+        cells = ", ".join(f"{lr:.3g}: {kl:.4f}{'' if lr in healthy else ' (collapsed)'}"
+                          for lr, (kl, _) in sorted(stats.items()))
+        model, budget, per_step, kind, k, method = key
+        out.append(f"| {model} | {budget:,} ({budget // per_step}) | {kind} | {k} | {method} | {best:.3g} | {cells} |")
+    if not out:
+        return ""
+    return "\n".join(["| model | tokens (steps) | kind | K | method | best lr | KL by lr |", "|" + "---|" * 7, *out])
 
 
 def parse_args() -> argparse.Namespace:
@@ -263,6 +300,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kinds", default="mxd,transcoder")
     p.add_argument("--methods", default="none,anneal,floor", help=f"comma-separated subset of {', '.join(METHODS)}")
     p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--tokens-per-step", type=int, default=TRAIN["tokens_per_step"],
+                   help="tokens per optimizer step (the learning-rate rule's evidence varies it)")
     p.add_argument("--runs-dir", default=None, help="keep the runs here (finished identical runs are reused)")
     p.add_argument("--cache-dir", default=None, help="SmolLM2's activation cache folder (captured once)")
     p.add_argument("--from-rows", default=None, help="re-tabulate a finished run's rows.json; trains nothing")
@@ -318,7 +357,8 @@ def main() -> int:
         if args.runs_dir:
             (root / "rows.json").write_text(json.dumps({"rows": rows, "budget": budget}), encoding="utf-8")
     text, verdicts = table(rows)
-    text = f"{text}\n\n{summary(verdicts)}\n\nbudget: {budget}\n"
+    lrs = best_lrs(rows)
+    text = f"{text}\n\n{summary(verdicts)}\n\n{lrs + chr(10) + chr(10) if lrs else ''}budget: {budget}\n"
     print("\n" + text)
     if args.out:
         Path(args.out).write_text(text, encoding="utf-8")

@@ -41,6 +41,7 @@ from .publishing.records import provenance, recipe_summary
 from .publishing.variants_table import VARIANTS_TABLE, write_variants_table
 from .publishing.run_folder import METRICS, PROVENANCE, RESOLVED_RECIPE, RunFolder, RunFolderTaken
 from .recipe import Recipe, recipe_to_dict, variant_recipes
+from .recipe.lr_rule import rule_lr
 from .surgery.dense_init import init_moe_from_dense
 from .surgery.families import decoder_blocks
 from .surgery.splice import load_base_model, splice
@@ -174,7 +175,7 @@ def _run(plans: list[RunPlan], folders: list[RunFolder], accelerator, *, progres
     diverged = distil(plans, base, trained, folders, accelerator, progress=progress, say=say)
     if not accelerator.is_main_process:
         return
-    memo = AblationMemo()  # the variants' ablated eval forwards coincide: computed once
+    memo = AblationMemo(share_base=len(plans) > 1)  # the variants' base and ablated eval forwards: computed once
     for plan, run, folder in zip(plans, trained, folders):
         if folder.root.name in diverged:
             continue
@@ -303,8 +304,7 @@ def publish(
         for i, (summary, _) in trained.balance.items():
             metrics["layers"][str(i)]["balance"] = summary
         plot_loss_curve([folder.train_log, folder.heal_log], stage.plots_dir / LOSS_PLOT)
-        metrics["train"] = {"steps": trained.steps, "tokens": trained.steps * recipe.train.tokens_per_step,
-                            "loss_drop_last_fifth": loss_drop_last_fifth(folder.train_log)}
+        metrics["train"] = train_summary(recipe.train, trained.steps, folder.train_log)
         if trained.init_metrics is not None:
             metrics["init"] = trained.init_metrics
         if trained.heal_summary is not None:
@@ -334,6 +334,17 @@ def publish(
         stage.write_json(PROVENANCE, provenance(recipe, device=accelerator.device))
         refresh_model_card(stage.path)  # from config.json, metrics.json and provenance.json, as `expertize eval` does
         folder.publish(stage)
+
+
+def train_summary(train, steps: int, log_path: Path) -> dict:
+    """metrics.json's `train`: the distillation's steps and tokens, its peak learning rate beside the rule's for this
+    many steps, the schedule, and how much its loss still fell over the last fifth (evaluation/reading.py reads the
+    last three to say when a run looks under-trained)."""
+    out = {"steps": steps, "tokens": steps * train.tokens_per_step}
+    if steps:
+        out.update(lr=train.resolved_lr(steps), lr_rule=rule_lr(steps, train.tokens_per_step), schedule=train.schedule,
+                   loss_drop_last_fifth=loss_drop_last_fifth(log_path))
+    return out
 
 
 def activation_batches(

@@ -295,3 +295,60 @@ def test_biased_choice_without_pre_equals_relu_topk(case):
         assert torch.equal(index.sort(-1).values, ref_index.sort(-1).values)
         torch.testing.assert_close(grad_w, outputs[True][2])
         torch.testing.assert_close(grad_b, outputs[True][3])
+
+
+# -- the annealed floor (train.balance_anneal, the default since issue 28) ------------------------------------------
+
+
+def _floor_run(tmp_path, steps=40, stop_at=None, **train):
+    spec = dict(kind="transcoder", d_in=D_MODEL, d_out=D_MODEL, num_latents=96, k=2, selection_bias=True)
+    torch.manual_seed(0)
+    layers = {0: build_sparse_layer(spec)}
+    batches = Clustered(layers, steps)
+    batches.stop_at = stop_at
+    trainer = _train(layers, batches, _cfg(**{"balance": "floor", **train}), tmp_path, steps)
+    return layers[0], trainer
+
+
+def test_the_floor_bias_decays_to_exactly_zero_by_the_anneals_end_and_is_held_without_it(tmp_path):
+    """Default [0.5, 0.8]: the floor raises units' biases in the first half, then the bias decays linearly from its
+    value at 50 % to 0 at 80 % of the steps, so the saved layer routes by plain top-K; `balance_anneal: null` keeps it."""
+    layer, trainer = _floor_run(tmp_path / "annealed")
+    balancer = trainer.balancers[0]
+    assert balancer.anneal == (0.5, 0.8) and balancer.frozen is not None
+    assert float(balancer.frozen.max()) > 0 and int(balancer.raised.sum()) > 0  # it did raise units first
+    assert bool((layer.b_select == 0).all())  # exactly 0: plain top-K from 80 % of the run on
+    summary = trainer.balance_summaries()[0][0]
+    assert summary["bias_at_end"] is False and summary["units_raised"] == int(balancer.raised.sum()) > 0
+    held, trainer = _floor_run(tmp_path / "held", balance_anneal=None)
+    assert float(held.b_select.max()) > 0 and trainer.balance_summaries()[0][0]["bias_at_end"] is True
+
+
+def test_the_anneal_follows_the_step_linearly():
+    layer = build_sparse_layer({**tiny_spec("transcoder"), "selection_bias": True}).train()
+    balancer = SelectionBalancer(layer, rate=1.0, floor=0.5, anneal=(0.5, 0.75))
+    load = torch.zeros(64)
+    balancer.update(load, torch.tensor(1.0), lr=0.1, step_tokens=32, progress=0.25)  # the rule: +0.1 for every unit
+    start = layer.b_select.clone()
+    assert float(start.min()) == pytest.approx(0.1)
+    for progress, factor in ((0.5, 1.0), (0.625, 0.5), (0.7, 0.2), (0.75, 0.0), (1.0, 0.0)):
+        balancer.update(load, torch.tensor(1.0), lr=0.1, step_tokens=32, progress=progress)
+        torch.testing.assert_close(layer.b_select, start * factor)
+
+
+def test_the_symmetric_rule_is_never_annealed(tmp_path):
+    """`balance: bias` is part of the routing (DeepSeek-V3 keeps it at inference): the default anneal leaves it be."""
+    _, trainer = _floor_run(tmp_path, balance="bias")
+    assert trainer.balancers[0].anneal is None and trainer.balance_summaries()[0][0]["bias_at_end"] is True
+
+
+def test_an_annealing_run_interrupted_after_the_anneal_began_resumes_exactly(tmp_path):
+    from expertize.conversion.training.errors import RunInterrupted
+    from tests.test_dead_units import _assert_same_weights
+
+    whole, _ = _floor_run(tmp_path / "whole")
+    with pytest.raises(RunInterrupted):
+        _floor_run(tmp_path / "resumed", stop_at=27)  # between the anneal's start (20) and its end (32)
+    resumed, trainer = _floor_run(tmp_path / "resumed")
+    assert trainer.balancers[0].frozen is not None
+    _assert_same_weights({0: resumed}, {0: whole})  # b_select included (a buffer of the state dict)

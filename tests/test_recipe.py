@@ -181,7 +181,7 @@ def test_key_in_the_wrong_section_is_pointed_to_its_section(tmp_path):
 @pytest.mark.parametrize(
     "section, value, expected",
     [
-        ("train", {"lr": "fast"}, r"train\.lr: expected a number, got 'fast' \(str\)"),
+        ("train", {"lr": "fast"}, r"train\.lr: expected a number or 'auto', got 'fast' \(str\)"),
         ("train", {"warmup_steps": 1.5}, r"train\.warmup_steps: expected an integer, got 1\.5 \(float\)"),
         ("train", {"warmup_steps": True}, r"train\.warmup_steps: expected an integer, got True \(bool\)"),
         ("train", {"betas": 0.9}, r"train\.betas: expected a list of numbers, got 0\.9 \(float\); for a single"),
@@ -235,7 +235,7 @@ def test_missing_required_keys_are_named(tmp_path):
 
 def test_value_errors_of_sections_name_key_and_file(tmp_path):
     path = write(tmp_path, minimal(train={"lr": -1.0}))
-    with pytest.raises(RecipeError, match=rf"{re.escape(str(path))}: train\.lr: must be > 0, got -1\.0"):
+    with pytest.raises(RecipeError, match=rf"{re.escape(str(path))}: train\.lr: must be > 0 or \"auto\", got -1\.0"):
         load_recipe(path)
     with pytest.raises(RecipeError, match=r"data\.source='hub' needs data\.name"):
         recipe_from_dict(minimal(data={"source": "hub"}))
@@ -307,7 +307,7 @@ def test_override_creates_an_absent_section():
         ("trian.lr=1e-3", r"--set trian\.lr=1e-3: unknown key 'trian' \(did you mean 'train'\?\)"),
         ("train.lr.peak=1", r"'train\.lr' is a value, not a section"),
         ("train.lr", r"--set train\.lr: expected KEY=VALUE"),
-        ("train.lr=fast", r"--set train\.lr=fast: train\.lr: expected a number, got 'fast' \(str\)"),
+        ("train.lr=fast", r"--set train\.lr=fast: train\.lr: expected a number or 'auto', got 'fast' \(str\)"),
         ("layers=[0, 0]", r"layers: index 0 appears more than once"),
         ("layer.options.rando_k=true", r"layer\.options\.rando_k: unknown option.*did you mean 'random_k'"),
     ],
@@ -447,7 +447,7 @@ def test_unsupported_base_activation_needs_an_explicit_one():
 
 
 def test_python_construction_is_validated_too():
-    with pytest.raises(ValueError, match=r"train\.lr: expected a number, got 'fast'"):
+    with pytest.raises(ValueError, match=r"train\.lr: expected a number or 'auto', got 'fast'"):
         recipe_from_dict(minimal(), ["train.lr=fast"])
     from expertize.conversion.recipe import TrainConfig
 

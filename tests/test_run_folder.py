@@ -23,7 +23,11 @@ METRICS_DICT = {
     "layers": {"0": {"nmse_paper": 0.01, "relative_mse": 0.08, "fvu": 0.09, "mse": 0.0004, "l0": 4.0,
                      "dead_units": 3, "dead_fraction": 0.1875, "num_units": 16,
                      "firing_frequency_histogram": "plots/firing_frequency_layer0.png", "usage_entropy": 2.5,
-                     "effective_units": 12.2, "health": ["dead: 19% of the 16 units never fired"]}},
+                     "effective_units": 12.2, "fvu_mean_code": 0.9, "code_share": 0.95, "bias_altered": 0.0,
+                     "raised_firing": 2,
+                     "balance": {"rule": "floor", "floor": 0.3, "anneal": [0.5, 0.8], "units_raised": 4,
+                                 "bias_at_end": False},
+                     "health": ["dead: 19% of the 16 units never fired"]}},
     "ce": {"base": 3.2, "spliced": 3.3, "delta": 0.1, "kl_base_spliced": 0.05, "zero_ablation": 4.1,
            "mean_ablation": 3.9, "ce_recovered_zero": 0.9, "ce_recovered_mean": 0.85, "predicted_tokens": 4000},
     "generation": {"match_curve": [1.0, 0.5], "match_at_end": 0.5, "n_prompts": 8,
@@ -31,7 +35,8 @@ METRICS_DICT = {
     "eval_tokens": 4096,
     "reconstruction_positions": {"exclude_special_positions": True, "excluded_token_ids": [0, 1], "tokens": 4064,
                                  "excluded_tokens": 32},
-    "train": {"steps": 48, "tokens": 12288},
+    "train": {"steps": 48, "tokens": 12288, "lr": 0.01, "lr_rule": 0.01, "schedule": "cosine",
+              "loss_drop_last_fifth": 0.04},
     "init": {"method": "split", "base": 3.2, "spliced": 3.6, "delta": 0.4},
     "heal": {"steps": 4, "tokens": 512, "objective": "kl", "rest": "frozen", "final": {"step": 4, "loss": 0.1}},
     "recipe_summary": {"training tokens": 12288, "seed": 0},
@@ -40,6 +45,7 @@ METRICS_DICT = {
         "lm_eval_version": "0.4.13", "base": "tiny", "results_files": {"model": "lm_eval/model/results_x.json"},
         "metrics": {"word_perplexity,none": {"value": 40.5, "stderr": None, "base_value": 40.1, "base_stderr": None,
                                              "delta": 0.4, "higher_is_better": False}}}}},
+    "verdict": {"grade": "fair", "reasons": ["layer 0 FVU 0.200 is fair (good < 0.1, poor > 0.3)"]},
 }
 
 

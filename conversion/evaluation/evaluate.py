@@ -154,26 +154,43 @@ class _CeSums:
         }
 
 
-class AblationMemo:
-    """The zero- and mean-ablated CE sums of each eval batch, kept across evaluations that share them.
+BASE_MEMO_BYTES = 3 << 30
+"""The base forwards' results (logits and MLP pairs) an AblationMemo keeps for the next variant, at most."""
 
-    The ablated forwards replace the target MLPs by constants, so they depend on the base model, the eval
-    sequences, the layer indices and the mean outputs, not on the sparse layers: the variants of a recipe (one
-    stream, hence one training mean) compute them once instead of once each (two of the four forwards of every eval
-    batch). A different key (another base, sequences, layers or means) starts over, so a stale value is never used.
-    The values are the exact floats `_CeSums.add` would add, in the same order: results are bit-identical.
+
+class AblationMemo:
+    """What the evaluations of a recipe's variants share, per eval batch: the zero- and mean-ablated CE sums and the
+    base model's own forward (its logits and the target MLPs' inputs / outputs).
+
+    The ablated forwards replace the target MLPs by constants, and the base forward replaces nothing, so they depend
+    on the base model, the eval sequences, the layer indices and the mean outputs, not on the sparse layers: the
+    variants of a recipe (one stream, hence one training mean) compute them once instead of once each (three of the
+    four forwards of every eval batch). The base forwards are kept while they fit in BASE_MEMO_BYTES (a large
+    vocabulary's logits may not: those batches are recomputed). A different key (another base, sequences, layers or
+    means) starts over, so a stale value is never used. The values are the exact tensors and floats the evaluation
+    would compute again, used in the same order: results are bit-identical.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, share_base: bool = True) -> None:
         self._key: tuple | None = None
-        self._sums: dict[tuple, float] = {}
+        self._sums: dict[tuple, object] = {}
+        self._bytes = 0
+        self.share_base = share_base
+        """Whether to keep the base forwards (False for one evaluation: nobody would read them again)."""
 
-    def value(self, key: tuple, item: tuple, compute) -> float:
+    def value(self, key: tuple, item: tuple, compute, nbytes=None):
+        """The memoized `compute()` of `item`; `nbytes(value)`: its size, kept only while the memo stays under
+        BASE_MEMO_BYTES (None: always kept)."""
         if key != self._key:
-            self._key, self._sums = key, {}
-        if item not in self._sums:
-            self._sums[item] = compute()
-        return self._sums[item]
+            self._key, self._sums, self._bytes = key, {}, 0
+        if item in self._sums:
+            return self._sums[item]
+        value = compute()
+        size = 0 if nbytes is None else nbytes(value)
+        if self._bytes + size <= BASE_MEMO_BYTES:
+            self._sums[item] = value
+            self._bytes += size
+        return value
 
 
 def _memo_key(model: nn.Module, eval_sequences: torch.Tensor, indices: list[int], means, batch_sequences: int) -> tuple:
@@ -313,7 +330,10 @@ def evaluate_sparse_layers(
             return memo.value(key, item, compute)
 
         for b, input_ids in enumerate(_batches(model, eval_sequences, cfg.batch_sequences, progress, "eval")):
-            _reconstruction_and_ce(model, input_ids, spliced, stats, firing, ce, spliced_model, positions, probes)
+            base_pass = (memo.value(key, ("base", b), lambda: _base_pass(model, input_ids, indices), _base_pass_bytes)
+                         if memo.share_base else _base_pass(model, input_ids, indices))
+            _reconstruction_and_ce(model, input_ids, base_pass, spliced, stats, firing, ce, spliced_model, positions,
+                                   probes)
             ce.sums["zero_ablation"] += ablated(("zero", b), zeros, input_ids)
             if means is not None:
                 ce.sums["mean_ablation"] += ablated(("mean", b), means, input_ids)
@@ -390,9 +410,22 @@ def _batches(
         yield sequences[start : start + batch_size].to(device)  # (B, L)
 
 
+def _base_pass(model: nn.Module, input_ids: torch.Tensor, indices: list[int]) -> tuple[dict, torch.Tensor]:
+    """One base forward: ({layer: (x, y)} the target MLPs' inputs / outputs, each (B*L, d); the logits (B, L, V))."""
+    capture = MlpCapture(model, indices, stop_early=False)
+    captured = capture(input_ids)
+    return captured, capture.last_logits
+
+
+def _base_pass_bytes(value: tuple[dict, torch.Tensor]) -> int:
+    captured, logits = value
+    return logits.nbytes + sum(x.nbytes + y.nbytes for x, y in captured.values())
+
+
 def _reconstruction_and_ce(
     model: nn.Module,
     input_ids: torch.Tensor,
+    base_pass: tuple[dict, torch.Tensor],
     spliced: Mapping[int, _CastToLayer],
     stats: Mapping[int, ReconstructionStats],
     firing: Mapping[int, _UnitFiring],
@@ -401,12 +434,10 @@ def _reconstruction_and_ce(
     positions: "_Positions | None" = None,
     probes: Mapping[int, CodeProbe] | None = None,
 ) -> None:
-    """One batch: one base forward gives the MLP (x, y) pairs and the base logits; then the spliced run (the ablated
-    runs are the caller's)."""
+    """One batch: the base forward's (`base_pass`) MLP (x, y) pairs and base logits; then the spliced run (the
+    ablated runs are the caller's)."""
     positions = positions or _Positions(())
-    capture = MlpCapture(model, list(spliced), stop_early=False)
-    captured = capture(input_ids)  # {layer: (x, y)}, each (B*L, d)
-    base_logits = capture.last_logits  # (B, L, V)
+    captured, base_logits = base_pass  # {layer: (x, y)}, each (B*L, d); (B, L, V)
     keep = positions.keep(input_ids)  # (B*L,) bool or None: the positions the reconstruction metrics cover
     for i, (x, y) in captured.items():
         positions.add_outputs(i, y)  # every position: the mean ablation replaces the MLP everywhere

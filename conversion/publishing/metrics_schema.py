@@ -221,8 +221,13 @@ class ReconstructionPositions(_Section):
 class TrainSummary(_Section):
     steps: int | None = None
     tokens: int | None = None
+    lr: float | None = None
+    """The peak learning rate the distillation used (train.lr, or what `auto` resolved to)."""
+    lr_rule: float | None = None
+    """The `train.lr: auto` rule's rate for this many steps (recipe/lr_rule.py)."""
+    schedule: str | None = None
     loss_drop_last_fifth: float | None = None
-    """How much the training loss still fell over the run's last fifth (training/log.py): large = under-trained."""
+    """How much the training loss still fell over the run's last fifth (training/log.py)."""
 
 
 @dataclass

@@ -37,11 +37,18 @@ def recipe_summary(recipe: Recipe, total_steps: int) -> dict:
         "context length": data.context_length,
         "data": f"{data.source}: {source}",
         "loss": train.loss,
-        "optimizer": f"AdamW (lr {train.lr}, warmup {train.warmup_steps}, {train.schedule})",
+        "optimizer": f"AdamW (lr {_lr(train, total_steps)}, warmup {train.warmup_steps}, {train.schedule})",
         "precision": train.precision,
         "seed": train.seed,
         **healing,
     }
+
+
+def _lr(train, total_steps: int) -> str:
+    """The peak learning rate as the card shows it: "auto (0.01)" when the rule chose it."""
+    if train.lr == "auto":
+        return f"auto ({train.resolved_lr(total_steps):.3g})"
+    return f"{train.lr}"
 
 
 def provenance(recipe: Recipe, *, device: torch.device | str | None = None) -> dict:

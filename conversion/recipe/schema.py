@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Literal
 
 from .data import DataConfig, token_budget_to_sequences
+from .lr_rule import rule_lr
 from .layer_config import LayerConfig
 from .variants import VariantConfig, check_variants
 from .coerce import RecipeError, check_field_types
@@ -31,8 +32,12 @@ __all__ = ["EvalConfig", "HealConfig", "LayerConfig", "Recipe", "RecipeError", "
 class TrainConfig:
     """Optimization of the sparse layers against the frozen MLPs (recipe section `train:`)."""
 
-    lr: float = 1e-4
-    """Peak learning rate (AdamW)."""
+    lr: float | Literal["auto"] = "auto"
+    """Peak learning rate (AdamW). "auto": the rule of recipe/lr_rule.py for the run's number of steps (about 1e-2
+    for a few hundred steps, lower for longer runs), the rate measured best on four real models
+    (docs/results/dead_units.md); the resolved value is logged and recorded in metrics.json. A fixed rate that is
+    too low leaves the layer under-trained (3x too low erased MxD's advantage over the transcoder); the paper
+    recipes keep the papers' 1e-4."""
 
     warmup_steps: int = 5000
     """Linear warm-up from 0 to `lr` over this many steps (MxD paper: 5,000)."""
@@ -123,12 +128,13 @@ class TrainConfig:
     learning rate per step."""
 
     balance_anneal: list[float] | None = dataclasses.field(default_factory=lambda: [0.5, 0.8])
-    """[start, end], fractions of the run's steps: the balancing rule runs until `start`, then the selection bias
-    decays linearly to exactly 0 at `end`, and the rest of the run trains plain top-K; the saved model routes without
-    a bias. A held bias keeps choosing rarely-positive units at inference in place of better ones: on four real models
-    it cost up to 1.6x the KL of no handling, while the annealed floor revives units at no cost in FVU or KL
+    """`balance: floor` only: [start, end], fractions of the run's steps: the floor rule runs until `start`, then the
+    selection bias decays linearly to exactly 0 at `end`, and the rest of the run trains plain top-K; the saved model
+    routes without a bias. A held floor bias keeps choosing rarely-positive units at inference in place of better
+    ones (it cost up to 1.6x the KL of no handling), while the annealed floor revives units at no cost in FVU or KL
     (benchmarks/dead_units.py, docs/results/dead_units.md). null: the bias is held to the end and saved (routing at
-    inference uses it; DeepSeek-V3's use of `balance: bias`)."""
+    inference uses it). The symmetric `balance: bias` is part of the routing, as in DeepSeek-V3, and is never
+    annealed: removing it after training left 81 % of a synthetic layer's units dead (tests/test_balance.py)."""
 
     resample_every_tokens: int | Literal["auto"] = 0
     """Resampling of dead units (Bricken et al. 2023; training/resample.py): every this many training tokens, units
@@ -143,10 +149,16 @@ class TrainConfig:
     log interval, for distillation and healing: "none", "tensorboard" (event files in OUTPUT_DIR/tracking/; needs
     `pip install "expertize[tracking]"`), "wandb", ... (the tracker's package must be installed)."""
 
+    def resolved_lr(self, total_steps: int) -> float:
+        """The peak learning rate of a distillation of `total_steps` steps: `lr`, or the rule's value when "auto"."""
+        if self.lr == "auto":
+            return rule_lr(total_steps, self.tokens_per_step)
+        return float(self.lr)
+
     def __post_init__(self) -> None:
         check_field_types(self, "train")
-        if not self.lr > 0:
-            raise ValueError(f"train.lr: must be > 0, got {self.lr}")
+        if self.lr != "auto" and not self.lr > 0:
+            raise ValueError(f'train.lr: must be > 0 or "auto", got {self.lr}')
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"train.min_lr_ratio: must lie in [0, 1], got {self.min_lr_ratio}")
         if self.weight_decay < 0:

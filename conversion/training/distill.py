@@ -82,7 +82,7 @@ class Trainer(Engine):
         super().__init__(
             self.stack,
             self.stack.parameters(),
-            OptimConfig.from_config(cfg),
+            OptimConfig.from_config(cfg, lr=cfg.resolved_lr(total_steps)),
             total_steps=total_steps,
             tokens_per_step=cfg.tokens_per_step,
             checkpoint_path=checkpoint_path,
@@ -114,8 +114,11 @@ class Trainer(Engine):
             i: auto_k_aux(layers[i].spec.d_out) if cfg.auxk_k == "auto" else cfg.auxk_k for i in self.auxk_layers
         }
         self.balancers = {
-            i: SelectionBalancer(layer, cfg.balance_rate, cfg.balance_floor if cfg.balance == "floor" else None,
-                                 None if cfg.balance_anneal is None else tuple(cfg.balance_anneal))
+            i: SelectionBalancer(
+                layer, cfg.balance_rate, cfg.balance_floor if cfg.balance == "floor" else None,
+                # the floor's bias is a training aid; the symmetric rule's is part of the routing (never annealed)
+                tuple(cfg.balance_anneal) if cfg.balance == "floor" and cfg.balance_anneal is not None else None,
+            )
             for i, layer in layers.items()
             if cfg.balance != "none" and balanced(layer)
         }
@@ -154,9 +157,11 @@ class Trainer(Engine):
         if cfg.balance == "none":
             return None
         rule = f"floor {cfg.balance_floor:g} of the fair share" if cfg.balance == "floor" else "every unit to its share"
+        anneal = ("held to the end" if cfg.balance_anneal is None or cfg.balance != "floor" else
+                  f"annealed to 0 between {cfg.balance_anneal[0]:.0%} and {cfg.balance_anneal[1]:.0%} of the run")
         parts = []
         if self.balancers:
-            parts.append(f"balance {cfg.balance} ({rule}, rate {cfg.balance_rate:g} x lr) for layer(s) "
+            parts.append(f"balance {cfg.balance} ({rule}, rate {cfg.balance_rate:g} x lr, {anneal}) for layer(s) "
                          f"{sorted(self.balancers)}")
         without = sorted(i for i in self.layers if i not in self.balancers)
         if without:
@@ -189,9 +194,16 @@ class Trainer(Engine):
     def batches(self, start_step: int):
         return self.activations.batches(start_step=start_step)
 
+    def lr_note(self) -> str | None:
+        """The learning rate `train.lr: auto` resolved to, one line (None for a fixed rate)."""
+        if self.cfg.lr != "auto":
+            return None
+        return (f"train.lr auto: {self.optim.lr:.3g} for {self.total_steps:,} steps (the rule of "
+                "conversion/recipe/lr_rule.py)")
+
     def begin(self, resumed: bool) -> None:
         self.model.train()
-        note = "; ".join(n for n in (self.balance_note(), self.auxk_note()) if n)
+        note = "; ".join(n for n in (self.lr_note(), self.balance_note(), self.auxk_note()) if n)
         if note:
             self._say(note if self.name == type(self).name else f"{self.name}: {note}")
 

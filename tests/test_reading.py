@@ -1,0 +1,97 @@
+"""The end-of-run verdict (conversion/evaluation/reading.py): whether the replacement behaves like the MLP, from FVU,
+KL and CE recovered — never from ΔCE alone — and "cannot judge" on text where removing the MLP does not hurt."""
+
+import json
+
+import pytest
+
+from expertize.conversion.evaluation.reading import quality_verdict, reading_lines
+from expertize.conversion.publishing.metrics_schema import Metrics
+
+
+def _metrics(*, fvu, kl, delta, base=3.5, mean_ablation=None, zero_ablation=None, recovered=None, dead=0.0):
+    return Metrics.from_dict({
+        "layers": {"2": {"fvu": fvu, "dead_fraction": dead, "l0": 16.0}},
+        "ce": {"base": base, "spliced": base + delta, "delta": delta, "kl_base_spliced": kl,
+               "mean_ablation": mean_ablation, "zero_ablation": zero_ablation, "ce_recovered_mean": recovered},
+    })
+
+
+def test_a_broken_replacement_with_a_negative_delta_ce_is_poor_not_good():
+    """The issue's case (quickstart evaluated on WikiText): ΔCE -0.334 beside FVU 1.33, KL 1.01, CE recovered 3 % and a
+    zero ablation that beats the base. Before: "ΔCE -0.334 nats is good"."""
+    metrics = _metrics(fvu=1.33, kl=1.01, delta=-0.334, base=6.2, mean_ablation=6.21, zero_ablation=6.0,
+                       recovered=0.03)
+    verdict = quality_verdict(metrics)
+    assert verdict.grade == "poor"
+    assert "layer 2 FVU 1.330 is poor" in verdict.reasons[0] and any("KL" in r and "poor" in r for r in verdict.reasons)
+    assert any("cannot judge the replacement by its CE" in r for r in verdict.reasons)
+    lines = reading_lines(metrics)
+    assert lines[0].startswith("verdict: poor")
+    assert not any("is good" in line for line in lines if line.startswith("ΔCE")), lines
+    assert any(line.startswith("ΔCE -0.334 nats is not a grade") for line in lines)
+
+
+def test_text_on_which_removing_the_mlp_does_not_hurt_cannot_judge_a_good_reconstruction():
+    metrics = _metrics(fvu=0.05, kl=0.01, delta=0.001, base=4.0, mean_ablation=4.02, zero_ablation=4.03,
+                       recovered=0.95)
+    verdict = quality_verdict(metrics)
+    assert verdict.grade == "cannot judge" and "removing the MLP barely changes it" in verdict.reasons[0]
+
+
+@pytest.mark.parametrize(
+    "fvu, kl, recovered, grade",
+    [
+        (0.05, 0.01, 0.95, "good"),
+        (0.05, 0.05, 0.95, "fair"),  # the worst metric decides
+        (0.05, 0.01, 0.6, "fair"),
+        (0.4, 0.01, 0.95, "poor"),
+        (0.05, 0.01, 0.3, "poor"),
+    ],
+)
+def test_the_verdict_is_the_worst_of_fvu_kl_and_ce_recovered(fvu, kl, recovered, grade):
+    metrics = _metrics(fvu=fvu, kl=kl, delta=0.01, base=3.5, mean_ablation=4.5, zero_ablation=5.0,
+                       recovered=recovered)
+    assert quality_verdict(metrics).grade == grade
+
+
+def test_a_small_dead_fraction_is_not_read_as_zero():
+    metrics = _metrics(fvu=0.05, kl=0.01, delta=0.01, dead=0.002)
+    assert any(line.startswith("layer 2: 0.20% dead is good") for line in reading_lines(metrics))
+
+
+def test_the_quickstart_evaluated_on_held_out_wikitext_is_not_graded_good(tmp_path):
+    """End to end, as a user would (docs: data.eval_paths): the quickstart model distilled on Shakespeare and
+    evaluated on WikiText. The verdict in the summary and in metrics.json comes from FVU / KL / CE recovered."""
+    from expertize.conversion.cli import main
+    from expertize.conversion.upcycle import upcycle_summary
+    from tests.conftest import shared_data_dir
+
+    wiki = shared_data_dir() / "corpora" / "wikitext2_test.raw"
+    out = tmp_path / "qs"
+    assert main(["upcycle", "quickstart", "--no-progress", "--set", f"output_dir={out}",
+                 "--set", "data.train_tokens=8192", "--set", "data.eval_tokens=4096",
+                 "--set", "eval.generation_prompts=0", "--set", f"data.eval_paths=[{wiki}]"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    expected = quality_verdict(Metrics.from_dict(metrics))
+    assert metrics["verdict"] == expected.to_dict() and expected.grade != "good"
+    assert f"verdict: {expected.grade} — " in upcycle_summary(out)
+
+
+@pytest.mark.parametrize(
+    "train, says",
+    [
+        ({"steps": 200, "lr": 1e-3, "lr_rule": 1e-2, "schedule": "cosine", "loss_drop_last_fifth": 0.02},
+         "is 10x below the rate the `train.lr: auto` rule gives for 200 steps"),
+        ({"steps": 200, "lr": 5e-3, "lr_rule": 1e-2, "schedule": "constant", "loss_drop_last_fifth": 0.12},
+         "still fell 12% over the last fifth of the run at a constant learning rate"),
+        ({"steps": 200, "lr": 5e-3, "lr_rule": 1e-2, "schedule": "cosine", "loss_drop_last_fifth": 0.2}, None),
+        ({"steps": 200, "lr": 1e-2, "lr_rule": 1e-2, "schedule": "constant", "loss_drop_last_fifth": 0.01}, None),
+    ],
+)
+def test_the_reading_says_when_a_run_looks_under_trained(train, says):
+    """A learning rate 3x or more below the rule's, or a loss still falling steeply at a constant rate; a decaying
+    schedule's own late drop is not read as under-training."""
+    metrics = Metrics.from_dict({"layers": {"2": {"fvu": 0.2}}, "train": {"tokens": 200 * 1024, **train}})
+    lines = [line for line in reading_lines(metrics) if line.startswith("under-trained")]
+    assert (lines[0].find(says) > 0) if says else not lines, lines
