@@ -33,10 +33,11 @@ from .data.capture import MlpCapture, excluded_token_ids
 from .data.text import iter_sequences, load_eval_sequences, stream_train_tokens
 from .errors import RunFailed
 from .evaluation.evaluate import AblationMemo, evaluate_sparse_layers, spliced_ce
+from .evaluation.stacking import stacking_metrics
 from .preflight import RunPlan, plan_variants
 from .publishing.metrics_schema import load_metrics
 from .publishing.model_folder import refresh_model_card
-from .publishing.records import provenance, recipe_summary
+from .publishing.records import example_prompt, provenance, recipe_summary
 from .publishing.variants_table import VARIANTS_TABLE, write_variants_table
 from .publishing.run_folder import METRICS, PROVENANCE, RESOLVED_RECIPE, RunFolder, RunFolderTaken
 from .recipe import Recipe, recipe_to_dict, variant_recipes
@@ -294,7 +295,15 @@ def publish(
             base, trained.layers, trained.eval_sequences, recipe.eval, plots_dir=stage.plots_dir,
             mean_outputs=trained.mean_outputs, spliced_model=trained.healed_model, progress=progress,
             exclude_token_ids=excluded_token_ids(recipe.data, plan.tokenizer), ablation_memo=ablation_memo,
+            train=recipe.train,
         )
+        stacked = stacking_metrics(
+            recipe.base_model, plan.base_config, trained.eval_sequences, metrics["ce"]["spliced"],
+            batch_sequences=recipe.eval.batch_sequences, dtype=getattr(torch, recipe.dtype), device=accelerator.device,
+            log=say,
+        )
+        if stacked is not None:  # base_model is an expertize folder: the cost against the dense model it came from
+            metrics["stacking"] = stacked
         plot_loss_curve([folder.train_log, folder.heal_log], stage.plots_dir / LOSS_PLOT)
         metrics["train"] = {"steps": trained.steps, "tokens": trained.steps * recipe.train.tokens_per_step}
         if trained.init_metrics is not None:
@@ -308,6 +317,7 @@ def publish(
         model.save_pretrained(stage.path)
         plan.tokenizer.save_pretrained(stage.path)
         metrics["recipe_summary"] = recipe_summary(recipe, trained.steps)  # the card's Training rows
+        metrics["example_prompt"] = example_prompt(trained.eval_sequences, plan.tokenizer)  # the card's example
         if plan.lm_eval is not None:
             metrics["lm_eval"] = plan.lm_eval.run(
                 model, base, plan.tokenizer, stage.path, device=accelerator.device, model_name=str(folder.root),

@@ -78,7 +78,8 @@ ROUTER_EPS = 1e-6
 class MoeXSpec(SparseSpec):
     kind = "moe_x"
     activation_meaning: ClassVar[str] = (
-        "scaled hidden unit ω_j z^j_h of a selected expert (unit j·D + h); fires where > 0"
+        "scaled hidden unit ω_j z^j_h of a selected expert (unit j·D + h); active where nonzero (with GELU / SiLU "
+        "experts the negative values count: the output depends on them)"
     )
     code_unit_name: ClassVar[str] = "hidden unit"
     title: ClassVar[str] = "MoE-X"

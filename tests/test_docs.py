@@ -144,6 +144,20 @@ def test_every_recipe_key_is_documented_with_its_default():
     assert not stale, "docs/recipes.md states stale defaults:\n  " + "\n  ".join(stale)
 
 
+def test_the_train_keys_a_variant_may_set_are_the_ones_the_code_accepts():
+    """docs/recipes.md's `variants[].train` row and docs/upcycle.md's "What a variant may change" list exactly
+    VARIANT_TRAIN_KEYS (the keys a variant's `train:` is checked against), so a key the code accepts is never missing
+    from the docs (they once lacked balance, balance_floor, balance_rate and resample_every_tokens)."""
+    from expertize.conversion.recipe import VARIANT_TRAIN_KEYS
+
+    row = re.search(r"^\| `variants\[\]\.train` \|.*$", (REPO / "docs" / "recipes.md").read_text("utf-8"), re.M)
+    upcycle = (REPO / "docs" / "upcycle.md").read_text(encoding="utf-8")
+    bullet = re.search(r"^- \*\*What a variant may change\*\*.*?(?=^- \*\*)", upcycle, re.M | re.S)
+    for where, text in (("recipes.md", row.group(0)), ("upcycle.md", bullet.group(0))):
+        listed = re.findall(r"`(\w+)`", text[text.index("("):].split(")")[0])  # the parenthesized list
+        assert sorted(listed) == sorted(VARIANT_TRAIN_KEYS), f"docs/{where} lists {listed}"
+
+
 def test_every_command_has_a_page_naming_each_of_its_flags():
     """docs/<command>.md exists for every subcommand, names each of its flags, and the front page links it."""
     import argparse

@@ -9,7 +9,7 @@ code-health warning (health.DEAD_BOUND: one number, so a run graded "poor" is th
 from ..publishing.metrics_schema import Metrics
 from .health import DEAD_BOUND
 
-__all__ = ["GRADES", "reading_lines"]
+__all__ = ["GRADES", "quality_verdict", "reading_lines"]
 
 GRADES = {
     "ΔCE": (0.02, 0.1),
@@ -73,3 +73,22 @@ def reading_lines(metrics: Metrics) -> list[str]:
         out.append("lm-eval scores other text, each document from its start: there the model can even beat its base "
                    "while ΔCE is positive (docs/eval.md: when lm-eval and ΔCE disagree)")
     return out
+
+
+def quality_verdict(metrics: Metrics) -> str | None:
+    """One sentence for the model card: does the replacement behave like the MLP? None when nothing was measured.
+
+    PLACEHOLDER (issue 31 item 4): the card's verdict section calls this one function; issue 31 item 1's grade (KL,
+    FVU, CE recovered, the ablation baselines) replaces this body. Until then: the worst of the ΔCE and FVU grades."""
+    ce = metrics.ce
+    grades = [] if ce is None or ce.delta is None else [("ΔCE", ce.delta)]
+    layers = [m for _, m in sorted(metrics.layers.items(), key=lambda kv: int(kv[0]))]
+    grades += [("FVU", m.fvu) for m in layers if m.fvu is not None]
+    if not grades:
+        return None
+    named = [(_grade(name, value), f"{name} {value:+.3f}" if name == "ΔCE" else f"{name} {value:.3f}")
+             for name, value in grades]
+    worst = next(g for g in ("poor", "fair", "good") if any(grade == g for grade, _ in named))
+    (ce_good, ce_poor), (fvu_good, fvu_poor) = GRADES["ΔCE"], GRADES["FVU"]
+    return (f"{worst}, the worst grade of {', '.join(text for _, text in named)} (good below ΔCE {ce_good} and FVU "
+            f"{fvu_good}, poor above {ce_poor} and {fvu_poor})")

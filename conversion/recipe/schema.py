@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Literal
 
 from .data import DataConfig, token_budget_to_sequences
-from .layer_config import LayerConfig
+from .layer_config import ONE_KIND_PER_RECIPE, LayerConfig
 from .variants import VariantConfig, check_variants
 from .coerce import RecipeError, check_field_types
 
@@ -336,10 +336,10 @@ class Recipe:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype the base model is loaded in (it only produces the activations the sparse layers learn from)."""
 
-    layers: list[int] | Literal["all"]
+    layers: list[int] | Literal["all"] = dataclasses.field(metadata=ONE_KIND_PER_RECIPE)
     """Decoder layer indices whose MLPs are replaced, e.g. [8], or "all"."""
 
-    layer: LayerConfig = dataclasses.field(default_factory=LayerConfig)
+    layer: LayerConfig = dataclasses.field(default_factory=LayerConfig, metadata=ONE_KIND_PER_RECIPE)
     """The sparse layer used at every index in `layers`."""
 
     data: DataConfig

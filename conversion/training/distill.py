@@ -24,7 +24,7 @@ from expertize.modeling import SparseLayer
 from ..data.activations import ActivationBatches
 from .losses import LOSSES
 from ..recipe import TrainConfig
-from .auxk import DeadUnitTracker, auto_k_aux, auxk_loss, dead_window_tokens, fired_units, supports_auxk
+from .auxk import DeadUnitTracker, auto_k_aux, auxk_loss, code_l0, dead_window_tokens, fired_units, supports_auxk
 from .balance import SelectionBalancer, balanced
 from .resample import UNTIL_FRACTION, Resampler, auto_every_tokens, supports_resampling
 from .engine import Engine, OptimConfig, remove_hooks, run_paths
@@ -236,7 +236,7 @@ class Trainer(Engine):
         reduce = (lambda t: self.accelerator.reduce(t, reduction="mean")) if self.num_processes > 1 else None
         for i in parts[0]:
             index, weights = self._codes[i]  # (T, K) each: this step's code (its kept positions only)
-            fired = fired_units(index, weights, self.layers[i].num_units)  # (N,) bool
+            fired = fired_units(index, self.layers[i].active_entries(weights), self.layers[i].num_units)  # (N,)
             if self.num_processes > 1:
                 fired = self.accelerator.reduce(fired.int(), reduction="sum") > 0
             self.dead_units[i].update_fired(fired, self.tokens_per_step)  # global tokens of the step's stream
@@ -256,10 +256,9 @@ class Trainer(Engine):
         per_layer, units = {}, 0
         for i, loss in losses.items():
             index, weights = self._codes[i]  # (T, K) each: this step's code
-            tokens = index.reshape(-1, index.shape[-1]).shape[0] if index.shape[-1] else index.numel()
             entry = {
                 "loss": loss.item(),
-                "l0": (weights > 0).sum().item() / max(tokens, 1),
+                "l0": code_l0(self.layers[i], index, weights),
                 "dead": int(self.dead_units[i].dead_mask().sum()),
             }
             if i in auxk:
