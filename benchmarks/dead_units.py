@@ -73,7 +73,7 @@ BUDGETS = {
     "quickstart": (50_000, 200_000),
     "tiny-gpt2-shakespeare": (81_920, 327_680),
     "stories260k": (81_920, 327_680),
-    "smollm2": (65_536, 262_144),
+    "smollm2": (131_072, 262_144),  # 64 steps left 65-98 % of its units dead whatever the method: no reading
 }
 
 
@@ -124,10 +124,12 @@ def resolve_lr(spec: str, tree: dict, kind: str) -> float:
     """`rule`, `rule/3` or a number -> the learning rate of `kind` on the run `tree`."""
     if spec.startswith("rule"):
         from expertize.conversion.recipe.lr_rule import rule_lr
+        from expertize.modeling import LAYER_KINDS
 
         divisor = float(spec.split("/", 1)[1]) if "/" in spec else 1.0
         steps = tree["data"]["train_tokens"] // tree["train"]["tokens_per_step"]
-        return rule_lr(steps=steps, tokens_per_step=tree["train"]["tokens_per_step"]) / divisor
+        factor = LAYER_KINDS[kind][0].auto_lr_factor
+        return rule_lr(steps, tree["train"]["tokens_per_step"], factor) / divisor
     return float(spec)
 
 
@@ -137,7 +139,7 @@ def run_tree(name: str, args, budget: int, seed: int, root: Path) -> tuple[dict,
     tree["output_dir"] = str(root / f"{name}-{budget}{suffix}-s{seed}")
     if name == "smollm2":
         tree["data"]["activation_cache"] = str(ensure_cache(args, tree))
-    ks = {"quickstart": (8, 16, 32)}.get(name, (8, 32))
+    ks = [int(k) for k in args.ks.split(",")] if args.ks else {"quickstart": (8, 16, 32)}.get(name, (8, 32))
     match = tree["layer"]["match_transcoder"]
     variants, settings = [], []
     for kind in args.kinds.split(","):
@@ -298,13 +300,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--budgets", default="small,large", help="small, large or both (BUDGETS: tokens per model)")
     p.add_argument("--lrs", default="rule,rule/3", help="learning rates: rule, rule/N or numbers")
     p.add_argument("--kinds", default="mxd,transcoder")
+    p.add_argument("--ks", default=None, help="top-K values (default: 8,32; the quickstart's MxD also 16)")
     p.add_argument("--methods", default="none,anneal,floor", help=f"comma-separated subset of {', '.join(METHODS)}")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--tokens-per-step", type=int, default=TRAIN["tokens_per_step"],
                    help="tokens per optimizer step (the learning-rate rule's evidence varies it)")
     p.add_argument("--runs-dir", default=None, help="keep the runs here (finished identical runs are reused)")
     p.add_argument("--cache-dir", default=None, help="SmolLM2's activation cache folder (captured once)")
-    p.add_argument("--from-rows", default=None, help="re-tabulate a finished run's rows.json; trains nothing")
+    p.add_argument("--from-rows", default=None,
+                   help="re-tabulate finished runs' rows.json (comma-separated: merged); trains nothing")
     p.add_argument("--out", default=None, help="also write the Markdown table to this file")
     args = p.parse_args()
     args.budget_list = [b for b in args.budgets.split(",") if b]
@@ -314,8 +318,15 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     if args.from_rows:
-        saved = json.loads(Path(args.from_rows).read_text(encoding="utf-8"))
-        rows, budget = saved["rows"], saved["budget"]
+        rows, budgets, seen = [], [], set()
+        for path in args.from_rows.split(","):
+            saved = json.loads(Path(path).read_text(encoding="utf-8"))
+            budgets.append(saved["budget"])
+            for r in saved["rows"]:
+                if (*_key(r), r["seed"]) not in seen:
+                    seen.add((*_key(r), r["seed"]))
+                    rows.append(r)
+        budget = "; ".join(dict.fromkeys(budgets))
     else:
         bad = ([m for m in args.methods.split(",") if m not in METHODS]
                + [m for m in args.models.split(",") if m not in MODELS]

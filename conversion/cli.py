@@ -112,20 +112,34 @@ def _plot_sweep(args: argparse.Namespace) -> int:
 
 
 def _push(args: argparse.Namespace) -> int:
-    from .publishing.push import push_model
+    from .publishing.push import PushError, dry_run, left_out, license_warning, push_model
 
-    url = push_model(
-        args.model_dir, args.repo_id, private=args.private, revision=args.revision, token=args.token,
-        include_samples=args.include_samples, include_reports=args.include_reports,
-    )
-    print(f"expertize: pushed {args.model_dir} to {url}")
-    from .publishing.push import left_out_reports
-
-    reports = {} if args.include_reports else left_out_reports(args.model_dir)
-    if reports:
-        shown = ", ".join(f"{name}/ ({size / 2**20:.1f} MiB)" for name, size in sorted(reports.items()))
-        _stderr(f"not uploaded (reports, not the model): {shown}; --include-reports uploads them")
+    choice = dict(include_samples=args.include_samples, include_reports=args.include_reports)
+    if args.dry_run:
+        files = dry_run(args.model_dir, args.repo_id, **choice)
+        where = f" to {args.repo_id}" if args.repo_id else ""
+        print(f"expertize: --dry-run: would upload {len(files)} files ({_mib(sum(files.values()))}){where}:")
+        for rel, size in files.items():
+            print(f"  {rel}  {_mib(size)}")
+    elif args.repo_id is None:
+        raise PushError("--repo-id USER/NAME is required (only --dry-run works without it)")
+    else:
+        url = push_model(args.model_dir, args.repo_id, private=args.private, revision=args.revision,
+                         token=args.token, **choice)
+        print(f"expertize: pushed {args.model_dir} to {url}")
+    skipped = {} if args.include_reports else left_out(args.model_dir, include_samples=args.include_samples)
+    if skipped:
+        shown = ", ".join(f"{name} ({_mib(size)})" for name, size in sorted(skipped.items()))
+        verb = "would not upload" if args.dry_run else "not uploaded"
+        _stderr(f"{verb} (not part of the model): {shown}; --include-reports uploads them")
+    warning = license_warning(args.model_dir)
+    if warning:
+        _stderr(f"warning: {warning}")
     return 0
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.1f} KiB"
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -430,17 +444,21 @@ def _add_push(sub) -> None:
         help="upload a model folder to the Hugging Face Hub",
         description="Create the model repo if needed and upload the folder in one commit (never push_to_hub, "
         "which would replace the model card). Skipped: checkpoint/, hidden and temporary files, __pycache__, and "
-        "lm-eval's per-document samples_*.jsonl (unless --include-samples), and report subfolders other than plots/ and "
-        "lm_eval/, e.g. inspect/ (unless --include-reports).",
+        "lm-eval's per-document samples_*.jsonl (unless --include-samples), and anything that is not part of the "
+        "model: reports at the top level (inspect --output MODEL_DIR, specialize --json MODEL_DIR/spec.json) or in "
+        "subfolders other than plots/ and lm_eval/ (unless --include-reports). --dry-run lists what would go up.",
     )
     pu.add_argument("model_dir")
-    pu.add_argument("--repo-id", required=True, help="USER/NAME or ORG/NAME")
+    pu.add_argument("--repo-id", help="USER/NAME or ORG/NAME (required, except with --dry-run)")
+    pu.add_argument("--dry-run", action="store_true",
+                    help="list the files that would be uploaded and what is left out; offline, no token needed")
     pu.add_argument("--private", action="store_true", help="create the repo private")
     pu.add_argument("--revision", help="push to this branch (created from main when missing)")
     pu.add_argument("--token", help="Hub token with write access (default: `hf auth login` / HF_TOKEN)")
     pu.add_argument("--include-samples", action="store_true", help="also upload lm-eval's samples_*.jsonl")
     pu.add_argument("--include-reports", action="store_true",
-                    help="also upload subfolders other than plots/ and lm_eval/ (e.g. an inspect/ report)")
+                    help="also upload what is not part of the model (reports at the top level, subfolders other than "
+                    "plots/ and lm_eval/)")
     pu.set_defaults(func=_push)
 
 

@@ -23,6 +23,7 @@ from expertize.modeling import MlpShape, SparseSpec
 
 from .checks import check_context_length, check_output_location
 from .errors import ExpertizeError
+from .evaluation.stacking import check_not_sparse
 from .harness.folder_eval import LmEvalPlan
 from .data.text import stream_train_tokens
 from .recipe import Recipe, resolve_layer_spec, resolve_layers
@@ -213,6 +214,7 @@ def plan_run(recipe: Recipe, *, world_size: int = 1, check_layer_memory: bool = 
     family = base_family(config.model_type)
     shape = mlp_shape(config)
     layer_ids = resolve_layers(recipe, config.num_hidden_layers)
+    check_not_sparse(recipe.base_model, config, layer_ids)  # an expertize base: only its dense layers
     spec = resolve_layer_spec(recipe.layer, shape, recipe.train.balance)
     device = resolve_device(recipe.train.device)
     model = f"base_model {recipe.base_model!r}"

@@ -33,15 +33,15 @@ from .data.capture import MlpCapture, excluded_token_ids
 from .data.text import iter_sequences, load_eval_sequences, stream_train_tokens
 from .errors import RunFailed
 from .evaluation.evaluate import AblationMemo, evaluate_sparse_layers, spliced_ce
+from .evaluation.stacking import stacking_metrics
 from .preflight import RunPlan, plan_variants
 from .evaluation.reading import quality_verdict
 from .publishing.metrics_schema import Metrics, load_metrics
 from .publishing.model_folder import refresh_model_card
-from .publishing.records import provenance, recipe_summary
+from .publishing.records import example_prompt, provenance, recipe_summary
 from .publishing.variants_table import VARIANTS_TABLE, write_variants_table
 from .publishing.run_folder import METRICS, PROVENANCE, RESOLVED_RECIPE, RunFolder, RunFolderTaken
 from .recipe import Recipe, recipe_to_dict, variant_recipes
-from .recipe.lr_rule import rule_lr
 from .surgery.dense_init import init_moe_from_dense
 from .surgery.families import decoder_blocks
 from .surgery.splice import load_base_model, splice
@@ -300,11 +300,19 @@ def publish(
             mean_outputs=trained.mean_outputs, spliced_model=trained.healed_model, progress=progress,
             exclude_token_ids=excluded_token_ids(recipe.data, plan.tokenizer), ablation_memo=ablation_memo,
             raised_units={i: raised for i, (_, raised) in trained.balance.items()},
+            train=recipe.train,
         )
         for i, (summary, _) in trained.balance.items():
             metrics["layers"][str(i)]["balance"] = summary
+        stacked = stacking_metrics(
+            recipe.base_model, plan.base_config, trained.eval_sequences, metrics["ce"]["spliced"],
+            batch_sequences=recipe.eval.batch_sequences, dtype=getattr(torch, recipe.dtype), device=accelerator.device,
+            log=say,
+        )
+        if stacked is not None:  # base_model is an expertize folder: the cost against the dense model it came from
+            metrics["stacking"] = stacked
         plot_loss_curve([folder.train_log, folder.heal_log], stage.plots_dir / LOSS_PLOT)
-        metrics["train"] = train_summary(recipe.train, trained.steps, folder.train_log)
+        metrics["train"] = train_summary(recipe, trained.steps, folder.train_log)
         if trained.init_metrics is not None:
             metrics["init"] = trained.init_metrics
         if trained.heal_summary is not None:
@@ -316,6 +324,7 @@ def publish(
         model.save_pretrained(stage.path)
         plan.tokenizer.save_pretrained(stage.path)
         metrics["recipe_summary"] = recipe_summary(recipe, trained.steps)  # the card's Training rows
+        metrics["example_prompt"] = example_prompt(trained.eval_sequences, plan.tokenizer)  # the card's example
         if plan.lm_eval is not None:
             metrics["lm_eval"] = plan.lm_eval.run(
                 model, base, plan.tokenizer, stage.path, device=accelerator.device, model_name=str(folder.root),
@@ -336,14 +345,16 @@ def publish(
         folder.publish(stage)
 
 
-def train_summary(train, steps: int, log_path: Path) -> dict:
+def train_summary(recipe: Recipe, steps: int, log_path: Path) -> dict:
     """metrics.json's `train`: the distillation's steps and tokens, its peak learning rate beside the rule's for this
     many steps, the schedule, and how much its loss still fell over the last fifth (evaluation/reading.py reads the
     last three to say when a run looks under-trained)."""
+    train = recipe.train
     out = {"steps": steps, "tokens": steps * train.tokens_per_step}
     if steps:
-        out.update(lr=train.resolved_lr(steps), lr_rule=rule_lr(steps, train.tokens_per_step), schedule=train.schedule,
-                   loss_drop_last_fifth=loss_drop_last_fifth(log_path))
+        auto = dataclasses.replace(train, lr="auto")
+        out.update(lr=recipe.distill_lr(), lr_rule=dataclasses.replace(recipe, train=auto).distill_lr(),
+                   schedule=train.schedule, loss_drop_last_fifth=loss_drop_last_fifth(log_path))
     return out
 
 

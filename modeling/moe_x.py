@@ -78,9 +78,13 @@ ROUTER_EPS = 1e-6
 class MoeXSpec(SparseSpec):
     kind = "moe_x"
     activation_meaning: ClassVar[str] = (
-        "scaled hidden unit ω_j z^j_h of a selected expert (unit j·D + h); fires where > 0"
+        "scaled hidden unit ω_j z^j_h of a selected expert (unit j·D + h); active where nonzero (with GELU / SiLU "
+        "experts the negative values count: the output depends on them)"
     )
     code_unit_name: ClassVar[str] = "hidden unit"
+    auto_lr_factor: ClassVar[float] = 0.3
+    """MoE-X's best rate was 3e-3 where the other kinds' was 1e-2, on tiny-gpt2-shakespeare (docs/results/all_kinds.md)
+    and SmolLM2-135M layer 15 (benchmarks/smollm2_lr_sweep.yaml)."""
     title: ClassVar[str] = "MoE-X"
     init_modes: ClassVar[tuple[str, ...]] = ("default", "split", "copy")
     citation: ClassVar[str] = arxiv_bibtex(

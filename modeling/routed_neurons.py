@@ -50,8 +50,8 @@ from .sparse_base import (
 class RoutedNeuronsSpec(SparseSpec):
     kind = "routed_neurons"
     activation_meaning: ClassVar[str] = (
-        "the neuron's contribution |g_n·h_n| (router gate x its activation; read at `contribution_hook`); fires "
-        "where selected"
+        "the neuron's contribution |g_n·h_n| (router gate x its activation; read at `contribution_hook`); active "
+        "where nonzero (selected, with h_n != 0)"
     )
     title: ClassVar[str] = "routed single-neuron experts (secret MoE)"
     citation: ClassVar[str] = arxiv_bibtex(

@@ -130,8 +130,12 @@ class SparseSpec:
     runs them."""
     citation: ClassVar[str] = ""
     """BibTeX of the paper behind the kind (cited by every model card that uses it)."""
-    activation_meaning: ClassVar[str] = "the unit's coefficient in the sparse code; fires where > 0"
-    """What one unit's activation (its weight in the code) is, for inspection reports and the explorer."""
+    activation_meaning: ClassVar[str] = "the unit's coefficient in the sparse code; active where nonzero"
+    """What one unit's activation (its weight in the code) is, for inspection reports and the explorer. Where a unit
+    counts as active is `SparseLayer.active_entries`'s rule, the same for every reader."""
+    auto_lr_factor: ClassVar[float] = 1.0
+    """The kind's peak learning rate under `train.lr: auto`, as a multiple of the rule's (conversion/recipe/lr_rule.py):
+    1 for kinds whose best rate was the rule's on the models measured; below 1 for kinds that train best slower."""
     code_unit_name: ClassVar[str | None] = None
     """What one id of the sparse code denotes, when it is not a `unit_name` (MoE-X: "hidden unit" of an expert)."""
 
@@ -284,11 +288,25 @@ class SparseLayer(nn.Module):
         if self.b_select is not None and self.training:
             self.selection_scale = selected.detach().abs().float().mean()
 
+    def active_entries(self, weights: torch.Tensor) -> torch.Tensor:
+        """Which entries of a code are active: weights (..., K) -> (..., K) bool.
+
+        The one definition of an active unit, read by every count of the code: L0 and dead units (evaluation, the
+        training and healing logs, the dead-unit trackers of AuxK and resampling, the balancer's load), firing in
+        inspection, specialization and the per-prompt view. Default: nonzero. A unit whose weight is not 0 adds
+        weight x its output direction to the layer's output, whatever the sign, so it is in use; this is the
+        code's ℓ0 as the papers count it (MoE-X with GELU experts: ~4,091 of 4,096 hidden units active, Yang et
+        al. 2025). For the kinds' codes of ReLU / TopK / entmax / softmax / |g·h| weights (>= 0) it equals "> 0";
+        it differs for a code with negative entries, e.g. MoE-X split from a GELU MLP, where "> 0" would count the
+        ~5 % of entries above 0 and hide the other ~95 % the output depends on. A kind whose zero weight is not
+        its "off" (or whose "off" is not zero) overrides this."""
+        return weights != 0
+
     def selection_load(self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """Tokens on which each selectable unit (`b_select`'s entries) was chosen and fired, from a code of
         (..., K) index and weights: (S,) float32. Default: the code's units are the selectable ones."""
         index = top_k_index.reshape(-1)
-        fired = (top_k_weights.reshape(-1) != 0).float()
+        fired = self.active_entries(top_k_weights.reshape(-1)).float()
         return torch.zeros(self.b_select.shape[0], device=index.device).index_add_(0, index, fired)
 
     # -- what inspection asks (conversion/inspection/ reads these; it never switches on the kind) -------------------

@@ -239,7 +239,7 @@ def test_tracker_marks_exactly_the_units_silent_for_a_window():
     ]
     assert not tracker.may_have_dead
     for (index, weights), dead in zip(steps, expected_dead):
-        tracker.update(index, weights)
+        tracker.update(index, weights != 0)
         assert torch.nonzero(tracker.dead_mask()).flatten().tolist() == dead
     assert tracker.tokens_seen == 8 and tracker.may_have_dead
     assert tracker.tokens_since_fired().tolist() == [4, 2, 6, 0, 0, 8]
@@ -250,15 +250,15 @@ def test_tracker_state_resumes_exactly():
     codes = [(torch.randint(0, 20, (5, 3), generator=gen), torch.rand(5, 3, generator=gen).round()) for _ in range(12)]
     full = DeadUnitTracker(20, window_tokens=15)
     for index, weights in codes:
-        full.update(index, weights)
+        full.update(index, weights != 0)
     first = DeadUnitTracker(20, window_tokens=15)
     for index, weights in codes[:5]:
-        first.update(index, weights)
+        first.update(index, weights != 0)
     state = first.state_dict()
     resumed = DeadUnitTracker(20, window_tokens=999)  # the saved window wins
     resumed.load_state_dict(state)
     for index, weights in codes[5:]:
-        resumed.update(index, weights)
+        resumed.update(index, weights != 0)
     assert resumed.tokens_seen == full.tokens_seen == 60
     assert torch.equal(resumed.last_fired, full.last_fired)
     assert torch.equal(resumed.dead_mask(), full.dead_mask())
@@ -268,7 +268,9 @@ def test_tracker_state_resumes_exactly():
 
 def test_fired_units_and_update_fired_for_data_parallel():
     index, weights = _code([[2, 0], [2, 3]], zero=[3])
-    assert fired_units(index, weights, 5).tolist() == [True, False, True, False, False]
+    assert fired_units(index, weights != 0, 5).tolist() == [True, False, True, False, False]
+    with pytest.raises(TypeError, match="bool mask"):  # the rule is the layer's, never re-derived from weights
+        fired_units(index, weights, 5)
     tracker = DeadUnitTracker(5, window_tokens=3)
     tracker.update_fired(torch.tensor([True, False, False, False, True]), num_tokens=4)  # global tokens
     assert tracker.dead_mask().tolist() == [False, True, True, True, False]

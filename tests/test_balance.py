@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from expertize.conversion.evaluation.evaluate import evaluate_sparse_layers
 from expertize.conversion.evaluation.health import code_health
+from expertize.conversion.recipe import EvalConfig, TrainConfig
 from expertize.conversion.training.auxk import fired_units
 from expertize.conversion.training.balance import SelectionBalancer
 from expertize.conversion.training.resample import Resampler
@@ -55,7 +57,8 @@ def _dead_after_training(spec: dict, steps: int, **train) -> float:
     x = torch.cat([b[0][0] for b in batches.data[-10:]])
     with torch.no_grad():
         code = layers[0].encode(x)
-    return 1 - fired_units(*code, layers[0].num_units).float().mean().item()
+    fired = fired_units(code.top_k_index, layers[0].active_entries(code.top_k_weights), layers[0].num_units)
+    return 1 - fired.float().mean().item()
 
 
 def test_the_selection_bias_chooses_among_positive_scores_and_never_weights():
@@ -161,7 +164,7 @@ def test_resampling_revives_units_that_can_never_fire_and_resets_their_moments()
     resampler = Resampler(layer, every_tokens=TOKENS, until_tokens=10 * TOKENS)
     with torch.no_grad():
         code = layer.encode(x)
-        resampler.update_fired(fired_units(*code, 48), TOKENS)
+        resampler.update_fired(fired_units(code.top_k_index, layer.active_entries(code.top_k_weights), 48), TOKENS)
         assert resampler.due and bool(resampler.tracker.dead_mask()[dead].all())
         n = resampler.resample(x, y - layer(x), optimizer)
     assert n >= len(dead) and resampler.resampled == n
@@ -171,7 +174,8 @@ def test_resampling_revives_units_that_can_never_fire_and_resets_their_moments()
     cosine = torch.nn.functional.cosine_similarity(layer.W_enc[dead].unsqueeze(1), x.unsqueeze(0), dim=-1)
     assert bool((cosine.max(dim=1).values > 0.999).all())  # each re-pointed at one of the step's inputs
     with torch.no_grad():
-        revived = fired_units(*layer.encode(torch.cat([b[0][0] for b in batches.data])), 48)[dead]
+        code = layer.encode(torch.cat([b[0][0] for b in batches.data]))
+        revived = fired_units(code.top_k_index, layer.active_entries(code.top_k_weights), 48)[dead]
     assert revived.float().mean() > 0.5
 
 
@@ -221,6 +225,42 @@ def test_health_warnings_name_dead_collapsed_and_concentrated_codes():
     assert [w.split(":")[0] for w in warnings] == ["dead", "collapsed", "concentrated"]
     assert "L0 2.4 of K=32" in warnings[1] and "train.lr" in warnings[1]
     assert code_health(dead_fraction=0.0, l0=0.1, k=None, effective_units=500, num_units=512) == []
+
+
+def test_health_advice_leaves_out_what_the_run_already_used():
+    from expertize.conversion.evaluation.health import InEffect
+
+    sick = dict(dead_fraction=0.5, l0=1.0, k=4, effective_units=2.0, num_units=64)
+    general = code_health(**sick)
+    assert "Fix: train.balance: floor (the default" in general[0] and "train.balance: bias" in general[2]
+    floor = code_health(**sick, in_effect=InEffect(balance="floor", balance_floor=0.3, resampling=False))
+    assert "train.balance: floor" not in floor[0]
+    assert floor[0].endswith("Fix: a higher train.balance_floor (this run: 0.3), train.resample_every_tokens: auto "
+                             "(re-points units already dead), more data.train_tokens")
+    everything = code_health(**sick, in_effect=InEffect(balance="bias", balance_floor=0.3, resampling=True))
+    assert [w.split(". Fix: ")[1] for w in everything] == ["more data.train_tokens", "a lower train.lr",
+                                                           "more data.train_tokens"]
+    # A kind without a selection bias or resampling (mumoe) is not sent to train.balance or resampling.
+    mumoe = InEffect(balance="none", balance_floor=0.3, resampling=False, can_balance=False, can_resample=False)
+    assert "train.balance" not in " ".join(code_health(**sick, in_effect=mumoe))
+
+
+def test_a_layer_trained_with_the_floor_rule_is_not_told_to_use_it():
+    """The evaluation of a layer trained with `train.balance: floor` (its selection bias exists) and half its units
+    dead: the dead-unit warning in metrics.json names what is left to try, not the rule in effect."""
+    torch.manual_seed(0)
+    layer = build_sparse_layer({**tiny_spec("mxd"), "selection_bias": True}).eval()
+    with torch.no_grad():
+        layer.b_gate[: layer.num_units // 2] = -1e4  # these units never fire
+    input_ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    metrics = evaluate_sparse_layers(
+        tiny_base_model("llama"), {1: layer}, input_ids,
+        EvalConfig(batch_sequences=4, generation_prompts=0, histogram=False), progress=False,
+        train=TrainConfig(balance="floor", balance_floor=0.25),
+    )
+    dead = [w for w in metrics["layers"]["1"]["health"] if w.startswith("dead:")]
+    assert len(dead) == 1 and "train.balance: floor" not in dead[0]
+    assert "a higher train.balance_floor (this run: 0.25)" in dead[0] and "resample_every_tokens: auto" in dead[0]
 
 
 def test_a_run_built_to_collapse_warns_in_the_summary_metrics_variants_and_card(tiny_run, capsys):

@@ -27,6 +27,12 @@ METRICS = {
 LM_EVAL = {
     "hellaswag": {"acc,none": {"value": 0.2891, "stderr": 0.0045, "base_value": 0.2892}},
     "lambada_openai": {"perplexity,none": {"value": 40.512, "stderr": 1.48, "base_value": 40.055}},
+    "wiki_ppl": {"word_perplexity,none": {"value": 61.2, "base_value": 60.3}},
+}
+LM_EVAL_DETAILS = {  # as `expertize eval` records them: the Hub dataset a task reads, or local data
+    "hellaswag": {"dataset": "Rowan/hellaswag", "local": False},
+    "lambada_openai": {"dataset": "EleutherAI/lambada_openai", "local": False},
+    "wiki_ppl": {"dataset": None, "local": True},  # made by `expertize tasks` from a local file
 }
 
 
@@ -54,7 +60,8 @@ def test_number_formats():
 
 
 def test_card_metadata_parses(tmp_path):
-    path = write(tmp_path, lm_eval=LM_EVAL, repo_id="someone/gpt2-mxd-l8")
+    path = write(tmp_path, lm_eval=LM_EVAL, lm_eval_details=LM_EVAL_DETAILS, repo_id="someone/gpt2-mxd-l8",
+                 license="llama3.2", datasets=["Skylion007/openwebtext"])
     assert path == tmp_path / "README.md"
     card = ModelCard.load(path)
     assert card.data.base_model == "openai-community/gpt2"
@@ -62,13 +69,43 @@ def test_card_metadata_parses(tmp_path):
     assert card.data.pipeline_tag == "text-generation"
     assert {"expertize", "mxd", "sparse-experts", "interpretability"} <= set(card.data.tags)
     assert card.data.model_name == "gpt2-mxd-l8"
-    results = {(r.dataset_type, r.metric_type): r.metric_value for r in card.data.eval_results}
-    assert results == {("hellaswag", "acc"): 0.2891, ("lambada_openai", "perplexity"): 40.512}
+    assert card.data.license == "llama3.2" and card.data.datasets == ["Skylion007/openwebtext"]
+    # Public tasks by their Hub dataset; the locally made wiki_ppl is not listed as if it were a public benchmark.
+    results = {(r.dataset_type, r.dataset_name, r.metric_type): r.metric_value for r in card.data.eval_results}
+    assert results == {("Rowan/hellaswag", "hellaswag", "acc"): 0.2891,
+                       ("EleutherAI/lambada_openai", "lambada_openai", "perplexity"): 40.512}
     assert all(r.source_name == "lm-evaluation-harness" for r in card.data.eval_results)
     meta = front_matter(path.read_text(encoding="utf-8"))
     assert meta["model-index"][0]["name"] == "gpt2-mxd-l8"
     # Only lm-eval results are model-index entries, not ΔCE and friends.
-    assert {r["dataset"]["type"] for r in meta["model-index"][0]["results"]} == {"hellaswag", "lambada_openai"}
+    assert {r["dataset"]["type"] for r in meta["model-index"][0]["results"]} == {"Rowan/hellaswag",
+                                                                                 "EleutherAI/lambada_openai"}
+    assert "## License" not in path.read_text(encoding="utf-8")
+
+
+def test_card_without_a_known_license_or_hub_data_says_so(tmp_path):
+    """Before: no `license:` and no `datasets:` at all. After: the placeholder `unknown` with a section asking for
+    the base model's license; local training text is never listed as a Hub dataset."""
+    path = write(tmp_path, recipe_summary={**RECIPE, "data": "local text: tinyshakespeare.txt"})
+    card = ModelCard.load(path)
+    assert card.data.license == "unknown" and card.data.datasets is None
+    text = path.read_text(encoding="utf-8")
+    assert "## License" in text and "replace `license: unknown`" in text
+
+
+def test_card_reads_a_packaged_base_by_name_prompts_with_held_out_text_and_gives_a_verdict(tmp_path):
+    """Before: `${EXPERTIZE_ASSETS}/...` as the lm-eval column header, "The capital of France is" for a Shakespeare
+    model, no verdict, effective units with 4 decimals."""
+    metrics = {**METRICS, "example_prompt": "ROMEO:\nBut soft, what light"}
+    metrics["layers"] = {"8": {**METRICS["layers"]["8"], "effective_units": 461.4913}}
+    text = write(tmp_path, base_model="${EXPERTIZE_ASSETS}/tiny-gpt2-shakespeare", base_model_is_hub_id=False,
+                 metrics=metrics, lm_eval=LM_EVAL, lm_eval_details=LM_EVAL_DETAILS).read_text(encoding="utf-8")
+    assert "| task | metric | tiny-gpt2-shakespeare | this model | Δ |" in text
+    assert 'inputs = tokenizer("ROMEO:\\nBut soft, what light", return_tensors="pt")' in text
+    assert "capital of France" not in text
+    assert "| 461.5 |" in text and "461.4913" not in text
+    assert "**Verdict: good** — layer 8 FVU 0.091 is good (good < 0.1, poor > 0.3); KL(base ‖ spliced) 8.71e-05" in text
+    assert "| `wiki_ppl` (local) | `word_perplexity,none` |" in text and "(local): a task made from local text" in text
 
 
 def test_card_body_tables(tmp_path):
@@ -82,7 +119,7 @@ def test_card_body_tables(tmp_path):
     assert "| `lr` | 0.0001 |" in text
     assert "| `data` | Skylion007/openwebtext |" in text
     # Intrinsic metrics.
-    assert "| 8 | 0.0123 | 0.0834 | 0.0912 | 4.120e-04 | 32.00 | — | 17 / 21,490 (0.08%) |" in text
+    assert "| 8 | 0.0123 | 0.0834 | 0.0912 | 4.120e-04 | 32.00 | — | — | 17 / 21,490 experts (0.08%) |" in text
     assert "Held-out text, 25,600 tokens." in text
     # CE table.
     for row in (
@@ -99,7 +136,7 @@ def test_card_body_tables(tmp_path):
         "| identical to base | 100.0% | 98.0% | 90.0% | 80.0% |",
     ):
         assert row in text, row
-    # lm-eval side by side.
+    # lm-eval side by side (a task without recorded details: no "(local)" mark, no metadata).
     assert "| task | metric | openai-community/gpt2 | this model | Δ |" in text
     assert "| `hellaswag` | `acc,none` | 0.2892 | 0.2891 ± 0.0045 | -0.0001 |" in text
     assert "| `lambada_openai` | `perplexity,none` | 40.0550 | 40.5120 ± 1.4800 | +0.4570 |" in text
@@ -168,17 +205,18 @@ def test_regeneration_overwrites(tmp_path):
     (tmp_path / "README.md").write_text("---\nlicense: mit\n---\n# stale card\n", encoding="utf-8")
     write(tmp_path, model_name="gpt2-mxd")
     first = (tmp_path / "README.md").read_text(encoding="utf-8")
-    assert "stale card" not in first and "license" not in front_matter(first)
+    assert "stale card" not in first and front_matter(first)["license"] == "unknown"  # the placeholder, not mit
     assert "model-index" not in front_matter(first)
 
-    path = write(tmp_path, model_name="gpt2-mxd", lm_eval=LM_EVAL)
+    path = write(tmp_path, model_name="gpt2-mxd", lm_eval=LM_EVAL, lm_eval_details=LM_EVAL_DETAILS)
     second = path.read_text(encoding="utf-8")
     assert second.count("## Evaluation") == 1 and second.count("# gpt2-mxd\n") == 1
     assert len(ModelCard.load(path).data.eval_results) == 2
     assert second.startswith(first.split("---\n")[0] + "---\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["README.md"]  # no temporary file left behind
     # Same inputs, same card.
-    assert write(tmp_path, model_name="gpt2-mxd", lm_eval=LM_EVAL).read_text(encoding="utf-8") == second
+    assert write(tmp_path, model_name="gpt2-mxd", lm_eval=LM_EVAL, lm_eval_details=LM_EVAL_DETAILS).read_text(
+        encoding="utf-8") == second
 
 
 def test_bad_layers(tmp_path):
@@ -228,13 +266,13 @@ def test_card_rebuilt_from_a_saved_folder(tmp_path, tokenizer):
     with pytest.raises(ModelFolderError, match="records no base model"):
         refresh_model_card(folder)
     lm_eval = {"tasks": {"hellaswag": {"n_shot": 0, "n_samples": 100, "n_documents": 10042, "limit": 100,
-                                       "metrics": LM_EVAL["hellaswag"]}}}
+                                       "dataset": "Rowan/hellaswag", "local": False, "metrics": LM_EVAL["hellaswag"]}}}
     write_json(folder / "metrics.json", {**METRICS, "recipe_summary": RECIPE, "lm_eval": lm_eval})
     write_json(folder / "provenance.json", {"base_model": "openai-community/gpt2"})
     card = ModelCard.load(refresh_model_card(folder))
     assert card.data.base_model == "openai-community/gpt2"
     assert [(r.dataset_type, r.metric_type, r.metric_value) for r in card.data.eval_results] == [
-        ("hellaswag", "acc", 0.2891)]
+        ("Rowan/hellaswag", "acc", 0.2891)]
     text = card.text
     n_params = spec.num_parameters()
     assert f"| 1 | `mxd` | 32 → 32 | 37 | 16 | 4 | {n_params:,} |" in text
@@ -267,7 +305,9 @@ def test_kind_tables_are_read_from_the_spec_classes():
     assert set(CITATIONS) == set(LAYER_KIND_INFO) == set(LAYER_KINDS)
     for kind, (spec_cls, _) in LAYER_KINDS.items():
         assert CITATIONS[kind] == spec_cls.citation
-        assert LAYER_KIND_INFO[kind] == KindInfo(spec_cls.title, spec_cls.unit_name, spec_cls.units_field)
-    assert LAYER_KIND_INFO["mxd"] == KindInfo("Mixture of Decoders (MxD)", "expert", "num_experts")
-    assert LAYER_KIND_INFO["skip_transcoder"] == KindInfo("skip transcoder", "latent", "num_latents")
+        assert LAYER_KIND_INFO[kind] == KindInfo(spec_cls.title, spec_cls.unit_name, spec_cls.units_field,
+                                                 spec_cls.code_unit())
+    assert LAYER_KIND_INFO["mxd"] == KindInfo("Mixture of Decoders (MxD)", "expert", "num_experts", "expert")
+    assert LAYER_KIND_INFO["skip_transcoder"] == KindInfo("skip transcoder", "latent", "num_latents", "latent")
+    assert LAYER_KIND_INFO["moe_x"] == KindInfo("MoE-X", "expert", "num_experts", "hidden unit")
     assert "oldfield2025mxd" in CITATIONS["mxd"] and "eprint        = {2505.21364}" in CITATIONS["mxd"]

@@ -120,7 +120,8 @@ def _reference(layers, batches, cfg, steps, auxk_coef: float):
         for layer in layers.values():
             layer.after_optimizer_step()
         for i, code in codes.items():
-            trackers[i].update_fired(fired_units(*code, layers[i].num_units), TOKENS)
+            active = layers[i].active_entries(code[1])
+            trackers[i].update_fired(fired_units(code[0], active, layers[i].num_units), TOKENS)
             record[str(i)] = (int(trackers[i].dead_mask().sum()), float(aux[i].detach()) if i in aux else None)
         records.append(record)
     return records

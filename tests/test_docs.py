@@ -134,7 +134,7 @@ def _recipe_keys() -> dict[str, str]:
 def test_every_recipe_key_is_documented_with_its_default():
     keys = _recipe_keys()
     assert {"layer.kind", "data.paths", "train.lr", "heal.rest", "eval.lm_eval_tasks", "variants[].name"} <= set(keys)
-    assert keys["train.lr"] == "0.0001" and keys["base_model"] == "required" and keys["heal"] == "null"
+    assert keys["train.lr"] == "auto" and keys["base_model"] == "required" and keys["heal"] == "null"
     text = (REPO / "docs" / "recipes.md").read_text(encoding="utf-8")
     rows = dict(re.findall(r"^\| `([^`]+)` \| `([^`]*)` \|", text, re.M))
     missing = [key for key in keys if key not in rows]
@@ -142,6 +142,20 @@ def test_every_recipe_key_is_documented_with_its_default():
     stale = [f"{key}: documented {rows[key]!r}, the default is {default!r}" for key, default in keys.items()
              if rows[key] not in (default, "section")]
     assert not stale, "docs/recipes.md states stale defaults:\n  " + "\n  ".join(stale)
+
+
+def test_the_train_keys_a_variant_may_set_are_the_ones_the_code_accepts():
+    """docs/recipes.md's `variants[].train` row and docs/upcycle.md's "What a variant may change" list exactly
+    VARIANT_TRAIN_KEYS (the keys a variant's `train:` is checked against), so a key the code accepts is never missing
+    from the docs (they once lacked balance, balance_floor, balance_rate and resample_every_tokens)."""
+    from expertize.conversion.recipe import VARIANT_TRAIN_KEYS
+
+    row = re.search(r"^\| `variants\[\]\.train` \|.*$", (REPO / "docs" / "recipes.md").read_text("utf-8"), re.M)
+    upcycle = (REPO / "docs" / "upcycle.md").read_text(encoding="utf-8")
+    bullet = re.search(r"^- \*\*What a variant may change\*\*.*?(?=^- \*\*)", upcycle, re.M | re.S)
+    for where, text in (("recipes.md", row.group(0)), ("upcycle.md", bullet.group(0))):
+        listed = re.findall(r"`(\w+)`", text[text.index("("):].split(")")[0])  # the parenthesized list
+        assert sorted(listed) == sorted(VARIANT_TRAIN_KEYS), f"docs/{where} lists {listed}"
 
 
 def test_every_command_has_a_page_naming_each_of_its_flags():

@@ -120,14 +120,15 @@ def test_eval_side_by_side_equals_the_harness_run_directly(folders, capsys):
     recorded = json.loads((model / "metrics.json").read_text())["lm_eval"]["tasks"]
     assert recorded["tiny_ppl"]["metrics"] == comparison["tasks"]["tiny_ppl"]["metrics"]
     assert recorded["tiny_ppl"]["results_files"]["model"].startswith(str(out))
+    # The tasks read local files (made by `expertize tasks`): recorded as such, marked "(local)" in the card's table
+    # and kept out of its model-index (which lists public benchmarks by their Hub dataset).
+    assert all(recorded[t]["local"] is True and recorded[t]["dataset"] is None for t in ("tiny_ppl", "tiny_cloze"))
     card = ModelCard.load(model / "README.md")
     assert card.data.base_model == str(base)
-    results = {(r.dataset_type, r.metric_type): r.metric_value for r in card.data.eval_results}
-    assert results[("tiny_ppl", "word_perplexity")] == pytest.approx(ppl["value"])
-    assert results[("tiny_cloze", "acc")] == pytest.approx(acc["value"])
+    assert not card.data.eval_results
     text = (model / "README.md").read_text()
-    assert f"| task | metric | {base} | this model | Δ |" in text
-    assert f"| `tiny_cloze` | `acc,none` | {acc['base_value']:.4f} ± {acc['base_stderr']:.4f} | " in text
+    assert f"| task | metric | {base.name} | this model | Δ |" in text  # a name, not a path, as the header
+    assert f"| `tiny_cloze` (local) | `acc,none` | {acc['base_value']:.4f} ± {acc['base_stderr']:.4f} | " in text
     assert f"`tiny_ppl`: 0-shot, {LIMIT} of 40 documents, limit {LIMIT}: a smoke test" in text
 
 
@@ -217,6 +218,13 @@ def test_eval_of_a_hub_task_offline_fails_before_writing_anything(folders, tmp_p
         LmEvalPlan.from_eval_config(EvalConfig(lm_eval_tasks=["hellaswag"]))
     # Offline tasks need no network: no error.
     assert LmEvalPlan.from_eval_config(EvalConfig(lm_eval_tasks=["expertize_stories_ppl"])) is not None
+    # One rule says which tasks read a Hub dataset (the offline check, the records and the card's model-index).
+    from expertize.conversion.harness.offline import hub_dataset
+
+    assert hub_dataset({"dataset_path": "Rowan/hellaswag"}) == "Rowan/hellaswag"
+    assert hub_dataset({"dataset_path": "json", "dataset_kwargs": {"data_files": "x.jsonl"}}) is None
+    assert hub_dataset({"custom_dataset": "def load_jsonl(...)", "dataset_kwargs": {"data_file": "x.jsonl"}}) is None
+    assert hub_dataset({"dataset_path": str(tmp_path)}) is None  # a local folder
 
 
 def test_offline_task_generation(tmp_path):
@@ -365,8 +373,9 @@ def test_upcycle_ends_with_an_lm_eval_table(tiny_recipe, tmp_path):
         assert all(m["base_value"] is not None for m in entry["metrics"].values())
     assert metrics["recipe_summary"]["steps"] == 8
     text = (out / "README.md").read_text()
-    assert "| `tiny_ppl` | `word_perplexity,none` |" in text and "| `steps` | 8 |" in text
-    assert {r.dataset_type for r in ModelCard.load(out / "README.md").data.eval_results} == {"tiny_ppl", "tiny_cloze"}
+    assert "| `tiny_ppl` (local) | `word_perplexity,none` |" in text and "| `steps` | 8 |" in text
+    assert all(entry["local"] is True for entry in tasks.values())  # made from local text: not a public benchmark
+    assert not ModelCard.load(out / "README.md").data.eval_results
     assert (out / "lm_eval" / "comparison.md").is_file()
 
     # An unknown task is refused before any training.

@@ -278,3 +278,61 @@ def test_card_names_a_hub_base_by_its_id(model_dir, tmp_path):
         push_model(model_dir, REPO)
     pushed = json.loads((tmp_path / "hub" / "alice--tiny-mxd" / "main" / "provenance.json").read_text())
     assert pushed["base_model"] == "openai-community/gpt2"
+
+
+def _add_reports(folder: Path) -> dict[str, int]:
+    """What a user writes into a model folder besides the model: `inspect --output MODEL_DIR` (layer_<i>.json,
+    index.html), `specialize --json MODEL_DIR/spec.json`, an inspect/ subfolder and a note; name -> bytes."""
+    reports = {"layer_1.json": '{"units": []}', "index.html": "<html></html>", "spec.json": "{}", "notes.txt": "mine",
+               "inspect/layer_1.json": "{}"}
+    for rel, text in reports.items():
+        (folder / rel).parent.mkdir(exist_ok=True)
+        (folder / rel).write_text(text, encoding="utf-8")
+    return {"layer_1.json": 13, "index.html": 13, "spec.json": 2, "notes.txt": 4, "inspect/": 2}
+
+
+def test_dry_run_lists_exactly_what_push_uploads_and_leaves_reports_out(model_dir, tmp_path, capsys):
+    """Before: reports at the folder's top level (inspect --output MODEL_DIR, specialize --json MODEL_DIR/spec.json)
+    were uploaded, and nothing listed the upload beforehand. After: an allow-list of the model folder's files, and
+    `push --dry-run` (offline, no token) lists exactly the files the push then uploads."""
+    reports = _add_reports(model_dir)
+    with mock.patch("expertize.conversion.publishing.push.get_token", return_value=None):  # no token needed
+        assert cli_main(["push", str(model_dir), "--dry-run", "--repo-id", REPO]) == 0
+    captured = capsys.readouterr()
+    listed = [line.split()[0] for line in captured.out.splitlines() if line.startswith("  ")]
+    assert not list(model_dir.glob(".push.*"))  # the dry run's staging folder is gone
+    with FakeHub(tmp_path / "hub") as hub:
+        assert cli_main(["push", str(model_dir), "--repo-id", REPO]) == 0
+    assert hub.calls[-1] == ("upload_folder", REPO, None)
+    repo = tmp_path / "hub" / "alice--tiny-mxd" / "main"
+    uploaded = sorted(p.relative_to(repo).as_posix() for p in repo.rglob("*") if p.is_file())
+    assert listed == uploaded
+    assert f"would upload {len(uploaded)} files" in captured.out
+    assert not set(uploaded) & {"layer_1.json", "index.html", "spec.json", "notes.txt", "inspect/layer_1.json"}
+    assert {"config.json", "model.safetensors", "modeling_expertize.py", "tokenizer.json", "metrics.json",
+            "README.md", "lm_eval/model/results_2026.json"} <= set(uploaded)
+    for name in reports:
+        assert name in captured.err  # named as left out
+    from expertize.conversion.publishing.push import left_out
+
+    assert left_out(model_dir) == reports
+    assert "layer_1.json" in files_to_upload(model_dir, include_reports=True)
+
+
+def test_push_warns_while_the_license_is_unknown_and_keeps_one_the_user_set(model_dir, tmp_path, capsys):
+    readme = model_dir / "README.md"
+    assert ModelCard.load(readme).data.license == "unknown" and "## License" in readme.read_text(encoding="utf-8")
+    assert cli_main(["push", str(model_dir), "--dry-run"]) == 0
+    assert "warning: the model card's license is unknown" in capsys.readouterr().err
+    readme.write_text(readme.read_text(encoding="utf-8").replace("license: unknown", "license: mit"), encoding="utf-8")
+    refresh_model_card(model_dir)  # e.g. after `expertize eval`: the card is rebuilt from the records
+    assert ModelCard.load(readme).data.license == "mit" and "## License" not in readme.read_text(encoding="utf-8")
+    with FakeHub(tmp_path / "hub"):
+        assert cli_main(["push", str(model_dir), "--repo-id", REPO]) == 0
+    assert "license" not in capsys.readouterr().err
+    assert ModelCard.load(tmp_path / "hub" / "alice--tiny-mxd" / "main" / "README.md").data.license == "mit"
+
+
+def test_push_without_repo_id_is_refused_unless_dry_run(model_dir, capsys):
+    assert cli_main(["push", str(model_dir)]) == 2
+    assert "--repo-id USER/NAME is required (only --dry-run works without it)" in capsys.readouterr().err

@@ -39,13 +39,17 @@ METRICS_DICT = {
               "loss_drop_last_fifth": 0.04},
     "init": {"method": "split", "base": 3.2, "spliced": 3.6, "delta": 0.4},
     "heal": {"steps": 4, "tokens": 512, "objective": "kl", "rest": "frozen", "final": {"step": 4, "loss": 0.1}},
+    "stacking": {"base_sparse_layers": {"1": "mxd"}, "original_base_model": "gpt2", "original_ce": 3.0,
+                 "delta_original": 0.3},
     "recipe_summary": {"training tokens": 12288, "seed": 0},
     "lm_eval": {"tasks": {"tiny_ppl": {
         "n_shot": 0, "n_samples": 6, "n_documents": 40, "version": 1.0, "limit": 6, "batch_size": 4, "seed": None,
-        "lm_eval_version": "0.4.13", "base": "tiny", "results_files": {"model": "lm_eval/model/results_x.json"},
+        "lm_eval_version": "0.4.13", "base": "tiny", "dataset": None, "local": True,
+        "results_files": {"model": "lm_eval/model/results_x.json"},
         "metrics": {"word_perplexity,none": {"value": 40.5, "stderr": None, "base_value": 40.1, "base_stderr": None,
                                              "delta": 0.4, "higher_is_better": False}}}}},
     "verdict": {"grade": "fair", "reasons": ["layer 0 FVU 0.200 is fair (good < 0.1, poor > 0.3)"]},
+    "example_prompt": "ROMEO:",
 }
 
 
@@ -243,6 +247,7 @@ def test_metrics_schema_round_trip(tmp_path):
     assert {"ce.spliced", "ce.delta", "generation.match_at_end", "eval_tokens", "train.steps"} <= set(
         scalar_metric_paths())
     assert any("ΔCE 0.1000" in line for line in metrics.summary_lines())
+    assert any("ΔCE 0.3000 against the original dense model gpt2" in line for line in metrics.summary_lines())
 
 
 # -- --no-progress ------------------------------------------------------------------------------------------------

@@ -233,7 +233,7 @@ def test_push_leaves_reports_out_and_names_a_packaged_base_portably(quickstart):
     the card named /abs/path/expertize/assets/tiny-gpt2-shakespeare."""
     from expertize.conversion.publishing.local_paths import public_tree
     from expertize.conversion.publishing.model_folder import render_card_from_folder
-    from expertize.conversion.publishing.push import files_to_upload, left_out_reports
+    from expertize.conversion.publishing.push import files_to_upload, left_out
 
     model, _ = quickstart
     report = model / "inspect"
@@ -246,7 +246,7 @@ def test_push_leaves_reports_out_and_names_a_packaged_base_portably(quickstart):
         assert {"model.safetensors", "config.json", "metrics.json", "README.md"} <= set(files)
         assert any(f.startswith("plots/") for f in files)
         assert "inspect/index.html" in files_to_upload(model, include_reports=True)
-        assert left_out_reports(model) == {"inspect": 15}
+        assert left_out(model) == {"inspect/": 15}
     finally:
         shutil.rmtree(report)
     assets = "${EXPERTIZE_ASSETS}/tiny-gpt2-shakespeare"

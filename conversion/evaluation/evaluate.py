@@ -28,11 +28,11 @@ from expertize.modeling import SparseLayer
 
 from ..data.capture import MlpCapture, kept_positions, replaced_mlps
 from .code_probe import CodeProbe
-from .health import code_health
+from .health import InEffect, code_health
 from ..training.losses import kl_base_to_other, next_token_ce
 from .metrics import ReconstructionStats
 from .plots import plot_firing_frequency, plot_match_curve
-from ..recipe import EvalConfig
+from ..recipe import EvalConfig, TrainConfig
 
 __all__ = ["evaluate_sparse_layers", "generation_match_curve", "plot_firing_frequency", "plot_match_curve", "spliced_ce"]
 
@@ -96,17 +96,19 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 class _UnitFiring:
-    """How often each unit of one sparse layer fires (has a nonzero coefficient), and the mean L0 of its code."""
+    """How often each unit of one sparse layer fires (is active by the layer's rule, `active_entries`), and the mean
+    L0 of its code."""
 
-    def __init__(self, num_units: int, k: int | None = None) -> None:
-        self.num_units, self.k = num_units, k
+    def __init__(self, layer: SparseLayer, in_effect: InEffect | None = None) -> None:
+        self.num_units, self.k, self.active = layer.num_units, getattr(layer, "target_l0", None), layer.active_entries
+        self.in_effect = in_effect
         self.counts: torch.Tensor | None = None  # (N,) int64
         self.nonzero = 0
         self.tokens = 0
 
     def update(self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
         index = top_k_index.reshape(-1, top_k_index.shape[-1])  # (T, K)
-        fired = top_k_weights.reshape(index.shape) != 0  # (T, K)
+        fired = self.active(top_k_weights.reshape(index.shape))  # (T, K) bool
         counts = torch.bincount(index[fired], minlength=self.num_units)[: self.num_units]  # (N,)
         self.counts = counts if self.counts is None else self.counts + counts
         self.nonzero += int(fired.sum())
@@ -274,12 +276,16 @@ def evaluate_sparse_layers(
     exclude_token_ids: Collection[int] = (),
     ablation_memo: AblationMemo | None = None,
     raised_units: Mapping[int, torch.Tensor] | None = None,
+    train: TrainConfig | None = None,
 ) -> dict:
     """Reconstruction, CE and generation faithfulness of `layers` spliced into the base causal LM `model`.
 
     ablation_memo: shared by evaluations whose ablated forwards coincide (a recipe's variants): see AblationMemo.
     raised_units: {layer: (S,) bool} the units whose selection bias the training's balancing raised; the report then
     counts how many of them fire on the held-out tokens (`raised_firing`, code_probe.py).
+
+    train: the recipe's `train:` section the layers were trained with; the code-health warnings then leave out the
+    fixes it already used (health.InEffect). None: the general advice.
 
     exclude_token_ids: positions holding one of these tokens (`data.capture.excluded_token_ids`: the special tokens)
     are left out of the reconstruction metrics (NMSE, FVU, MSE, L0, dead units, firing histogram); CE, KL and the
@@ -314,7 +320,8 @@ def evaluate_sparse_layers(
     others = () if spliced_model is None else (spliced_model,)
     with _eval_mode(model, *others, *layers.values()):
         stats = {i: ReconstructionStats() for i in indices}
-        firing = {i: _UnitFiring(layers[i].num_units, getattr(layers[i], "target_l0", None)) for i in indices}
+        in_effect = {i: None if train is None else InEffect.of(train, layers[i]) for i in indices}
+        firing = {i: _UnitFiring(layers[i], in_effect[i]) for i in indices}
         probes = {i: CodeProbe(layers[i]) for i in indices}
         ce = _CeSums()
         positions = _Positions(exclude_token_ids)
@@ -362,6 +369,7 @@ def evaluate_sparse_layers(
         report_layers[str(i)]["health"] = code_health(
             dead_fraction=code["dead_fraction"], l0=code["l0"], k=firing[i].k, effective_units=code["effective_units"],
             num_units=code["num_units"], code_share=probe["code_share"], bias_altered=probe["bias_altered"],
+            in_effect=firing[i].in_effect,
         )
     if generation is not None:
         plot = None

@@ -16,46 +16,105 @@ Bounds (held-out tokens, `evaluation.evaluate`):
   held-out tokens (each a unit chosen over a better-scoring one).
 """
 
+import dataclasses
+
 DEAD_BOUND = 0.10
 COLLAPSE_BOUND = 0.5
 CONCENTRATION_BOUND = 0.1
-CODE_SHARE_BOUND = 0.1
+CODE_SHARE_BOUND = 0.2
 BIAS_ALTERED_BOUND = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class InEffect:
+    """What a run already used against dead and concentrated codes, so that a warning's fix names only what is left
+    to try (a run trained with `train.balance: floor` is not told to use it). `code_health` without one (a layer
+    evaluated without its recipe) gives the general advice."""
+
+    balance: str
+    """The `train.balance` rule that moved the layer's selection bias: "floor", "bias", or "none"."""
+    balance_floor: float
+    """`train.balance_floor` (read with balance "floor")."""
+    resampling: bool
+    """Whether dead units were resampled (`train.resample_every_tokens` on, for a kind that resamples)."""
+    can_balance: bool = True
+    """Whether the kind has a selection bias at all (`train.balance` acts on it); False: no balance advice."""
+    can_resample: bool = True
+    """Whether the kind can resample dead units (`supports_resampling`); False: no resampling advice."""
+
+    @classmethod
+    def of(cls, train, layer) -> "InEffect":
+        """From the recipe's `train:` section and the trained layer, whose selection bias exists only when a rule
+        moved it (`train.balance` other than none, for a kind that has one)."""
+        from ..recipe.layer_config import has_selection_bias
+
+        can_resample = bool(getattr(layer, "supports_resampling", False))
+        return cls(
+            balance=train.balance if getattr(layer, "b_select", None) is not None else "none",
+            balance_floor=train.balance_floor,
+            resampling=bool(train.resample_every_tokens) and can_resample,
+            can_balance=has_selection_bias(layer.spec.kind),
+            can_resample=can_resample,
+        )
+
+
+def _dead_fixes(used: InEffect | None) -> str:
+    """The dead-unit remedies the run has not used yet, as one phrase."""
+    if used is None:
+        return ("train.balance: floor (the default; a higher train.balance_floor, or train.resample_every_tokens: "
+                "auto for units already dead), more data.train_tokens")
+    fixes = []
+    if used.can_balance and used.balance == "none":
+        fixes.append("train.balance: floor (the default)")
+    elif used.can_balance and used.balance == "floor":
+        fixes.append(f"a higher train.balance_floor (this run: {used.balance_floor:g})")
+    if used.can_resample and not used.resampling:
+        fixes.append("train.resample_every_tokens: auto (re-points units already dead)")
+    return ", ".join(fixes + ["more data.train_tokens"])
+
+
+def _balance_bias_fix(used: InEffect | None, why: str) -> str | None:
+    """"train.balance: bias (why)" unless the run used it already or the kind has no selection bias."""
+    if used is not None and (used.balance == "bias" or not used.can_balance):
+        return None
+    return f"train.balance: bias ({why})"
 
 
 def code_health(
     *, dead_fraction: float, l0: float, k: int | None, effective_units: float | None, num_units: int,
     code_share: float | None = None, bias_altered: float | None = None,
+    in_effect: InEffect | None = None,
 ) -> list[str]:
-    """Warnings for one layer's code (empty when healthy). `k`: the kind's top K (None for kinds without one)."""
+    """Warnings for one layer's code (empty when healthy). `k`: the kind's top K (None for kinds without one);
+    `in_effect`: what the run already used, left out of the fixes (None: the general advice)."""
     warnings = []
     if dead_fraction > DEAD_BOUND:
         warnings.append(
             f"dead: {dead_fraction:.0%} of the {num_units} units never fired on the held-out tokens (bound "
-            f"{DEAD_BOUND:.0%}): they lost the top-K competition early and then got no gradient. Fix: train.balance: "
-            "floor (the default; a higher train.balance_floor, or train.resample_every_tokens: auto for units "
-            "already dead), more data.train_tokens"
+            f"{DEAD_BOUND:.0%}): they lost the top-K competition early and then got no gradient. Fix: "
+            f"{_dead_fixes(in_effect)}"
         )
     if k is not None and l0 < COLLAPSE_BOUND * k:
+        fixes = ["a lower train.lr", _balance_bias_fix(in_effect, "the symmetric rule, which holds every unit at "
+                                                                   "K / units")]
         warnings.append(
             f"collapsed: mean L0 {l0:.1f} of K={k} (bound {COLLAPSE_BOUND:g}·K): most selected units have a zero "
             "weight (their scores are negative), so a dense path (MxD's hidden code, a skip connection) does the "
-            "work and the code explains little. Fix: a lower train.lr, or train.balance: bias (the symmetric rule, "
-            "which holds every unit at K / units)"
+            f"work and the code explains little. Fix: {', or '.join(f for f in fixes if f)}"
         )
     live = num_units * (1 - dead_fraction)
     if effective_units is not None and live >= 1 and effective_units < CONCENTRATION_BOUND * live:
+        fix = _balance_bias_fix(in_effect, "every unit held at its fair share") or "more data.train_tokens"
         warnings.append(
             f"concentrated: the firings spread like {effective_units:.0f} equally used units, of {live:.0f} that "
-            f"fire (bound {CONCENTRATION_BOUND:.0%}): a few units take most tokens. Fix: train.balance: bias (every "
-            "unit held at its fair share)"
+            f"fire (bound {CONCENTRATION_BOUND:.0%}): a few units take most tokens. Fix: {fix}"
         )
     if code_share is not None and code_share < CODE_SHARE_BOUND:
         warnings.append(
             f"dense path: the per-token code carries {code_share:.0%} of the variance this layer explains (bound "
-            f"{CODE_SHARE_BOUND:.0%}): giving every token the average code loses almost nothing, so the fidelity is "
+            f"{CODE_SHARE_BOUND:.0%}): giving every token the average code keeps most of the fidelity, which is "
             "the dense path's (MxD's hidden code, a skip connection) and the code explains little. Fix: a lower "
-            "train.lr, more data.train_tokens, or a kind without a dense path (transcoder)"
+            "train.lr, more data.train_tokens, or a kind without a dense path"
         )
     if bias_altered is not None and bias_altered > BIAS_ALTERED_BOUND:
         warnings.append(

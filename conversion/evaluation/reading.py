@@ -86,7 +86,7 @@ def quality_verdict(metrics: Metrics) -> Verdict | None:
     ce = metrics.ce
     if ce is not None and ce.kl_base_spliced is not None:
         grade = _grade("KL", ce.kl_base_spliced)
-        graded.append((grade, f"KL(base ‖ spliced) {ce.kl_base_spliced:.3f} nats/token is {grade} (good < "
+        graded.append((grade, f"KL(base ‖ spliced) {ce.kl_base_spliced:.3g} nats/token is {grade} (good < "
                               f"{GRADES['KL'][0]}, poor > {GRADES['KL'][1]})"))
     judge = ablations_judge(metrics)
     unjudged = None
@@ -178,7 +178,7 @@ def reading_lines(metrics: Metrics) -> list[str]:
         if layer.code_share is not None:
             out.append(
                 f"layer {index}: the per-token code carries {layer.code_share:.0%} of the variance the layer explains "
-                "(100 % = all of it, as a transcoder; near 0 = a dense path does the work and the code explains "
+                "(100 % = all of it, as in a code without a dense path; near 0 = a dense path does the work and the code explains "
                 "little)"
             )
     generation = metrics.generation
@@ -200,3 +200,4 @@ def reading_lines(metrics: Metrics) -> list[str]:
         out.append("lm-eval scores other text, each document from its start: there the model can even beat its base "
                    "while ΔCE is positive (docs/eval.md: when lm-eval and ΔCE disagree)")
     return out
+

@@ -6,13 +6,13 @@ from the task configs alone, before anything is loaded or written, and says how 
 """
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..errors import ExpertizeError
 
-__all__ = ["check_task_data_offline", "hub_datasets_missing", "is_offline"]
+__all__ = ["check_task_data_offline", "hub_dataset", "hub_datasets_missing", "is_offline"]
 
 # `datasets` loaders that read local files (data_files) rather than a Hub dataset.
 _PACKAGED = {"json", "csv", "text", "parquet", "arrow", "pandas", "xml", "sql", "generator", "webdataset",
@@ -62,13 +62,23 @@ def _cached(dataset: str) -> bool:
     return hub.is_dir() or own.is_dir()
 
 
+def hub_dataset(cfg: Mapping[str, Any]) -> str | None:
+    """The Hub dataset a task config reads (its `dataset_path`), None when its data is local: a `custom_dataset`
+    loader (the tasks `expertize tasks` writes and the ones expertize ships), a packaged loader over data_files
+    (json, csv, text, ...) or a local path."""
+    path = cfg.get("dataset_path")
+    if cfg.get("custom_dataset") or not isinstance(path, str) or path in _PACKAGED or Path(path).expanduser().exists():
+        return None
+    return path
+
+
 def hub_datasets_missing(manager, tasks: Sequence[str]) -> dict[str, str]:
     """task name -> Hub dataset id, for the tasks whose dataset comes from the Hub and is not cached locally."""
     missing = {}
     for name in tasks:
         for cfg in _leaf_configs(manager, name, set()):
-            path = cfg.get("dataset_path")
-            if not isinstance(path, str) or path in _PACKAGED or Path(path).expanduser().exists():
+            path = hub_dataset(cfg)
+            if path is None:
                 continue
             if not _cached(path):
                 missing[str(cfg.get("task", name))] = path

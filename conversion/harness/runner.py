@@ -27,6 +27,7 @@ from typing import Any
 from ..errors import ExpertizeError
 from ..progress import quiet_lm_eval
 from ..publishing.run_folder import write_json, write_text
+from .offline import hub_dataset
 from .offline_tasks import bundled_tasks_dir
 
 __all__ = [
@@ -225,9 +226,12 @@ def _metrics_of(task_results: Mapping[str, Any]) -> dict[str, tuple[float | None
 
 
 def compare_results(model_results: Mapping[str, Any], base_results: Mapping[str, Any] | None) -> dict[str, Any]:
-    """task -> {"n_shot", "n_samples", "n_documents", "version", "metrics": {metric: {"value", "stderr",
-    "base_value", "base_stderr", "delta", "higher_is_better"}}} from two `simple_evaluate` results (base optional)."""
+    """task -> {"n_shot", "n_samples", "n_documents", "version", "dataset", "local", "metrics": {metric: {"value",
+    "stderr", "base_value", "base_stderr", "delta", "higher_is_better"}}} from two `simple_evaluate` results (base
+    optional). "dataset": the Hub dataset the task reads (None: local data); "local": whether its data is local (a
+    task made from local text is not a public benchmark), None for a group, whose results aggregate its tasks'."""
     tasks = {}
+    configs = model_results.get("configs", {})
     for task, task_results in model_results["results"].items():
         base_task = (base_results or {}).get("results", {}).get(task, {})
         base_metrics = _metrics_of(base_task)
@@ -249,6 +253,8 @@ def compare_results(model_results: Mapping[str, Any], base_results: Mapping[str,
             "n_samples": n_samples.get("effective"),
             "n_documents": n_samples.get("original"),
             "version": model_results.get("versions", {}).get(task),
+            "dataset": hub_dataset(configs[task]) if task in configs else None,
+            "local": hub_dataset(configs[task]) is None if task in configs else None,
             "metrics": metrics,
         }
     return tasks

@@ -45,9 +45,10 @@ def prompt_view(model: nn.Module, input_ids: torch.Tensor, token_text, top: int 
         n = min(top, K)
         values, slots = weights.topk(n, dim=-1)  # (T, n) largest weights first
         ids = index.gather(-1, slots)
+        active = layers[i].active_entries(values)  # (T, n) bool: the layer's rule, as inspection's statistics
         units[i] = [
-            [(u, v) for u, v in zip(row_ids, row_values) if v > 0]
-            for row_ids, row_values in zip(ids.tolist(), values.tolist())
+            [(u, v) for u, v, on in zip(row_ids, row_values, row_active) if on]
+            for row_ids, row_values, row_active in zip(ids.tolist(), values.tolist(), active.tolist())
         ]
     return PromptView(
         tokens=[token_text(t) for t in input_ids[0].tolist()],

@@ -3,15 +3,17 @@
 What a unit and its activation are comes from the layer's sparse code (`SparseCode`, read at `mlp.activation_hook`:
 the code hook, or a kind's own view where its code weight is not the unit's contribution, e.g. routed neurons' |g·h|),
 so every kind is covered the same way: per token the code lists (unit id, weight) pairs, and a unit **fires** on a
-token when it is listed with a weight > 0; its **activation** there is that weight.
+token when it is listed and active by the layer's rule (`SparseLayer.active_entries`: nonzero, the rule the
+evaluation's L0 and dead units and the training logs count with); its **activation** there is that weight.
 
     mxd                          experts; a = TopK(ReLU(G x)) coefficient
     transcoder, skip_transcoder  latents; TopK(ReLU(W_enc x)) value
-    moe_x                        hidden unit h of expert j (id j·D + h); the scaled code ω_j zʲ_h (fires where > 0)
+    moe_x                        hidden unit h of expert j (id j·D + h); the scaled code ω_j zʲ_h (GELU / SiLU
+                                 experts: negative values fire too, the output depends on them)
     routed_neurons               neurons; the contribution |g·h| (router gate x the neuron's activation)
     monet_hd, monet_vd           product experts i·S + j; the head-summed gate G_ij
     mumoe_cp, mumoe_tr           experts; the soft gate coefficient a_n. With the default entmax15 gate a unit fires
-                                 where a_n > 0 (entmax's exact zeros); with gate_activation=softmax every expert
+                                 where a_n != 0 (entmax's exact zeros); with gate_activation=softmax every expert
                                  fires on every token (frequency 1), so rank such units by activation instead.
 
 Per unit: firing frequency (overall and per corpus), mean activation over its firing tokens, max activation, the
@@ -83,7 +85,8 @@ class LayerStats:
 
     @property
     def max_activation(self) -> torch.Tensor:
-        return self.contexts.values[:, 0].clamp_min(0.0)  # (U,) 0 for dead units
+        # (U,) 0 for dead units (no context: -inf); a unit that fired only below 0 keeps its negative maximum
+        return torch.where(self.counts > 0, self.contexts.values[:, 0], 0.0)
 
     @property
     def mean_activation(self) -> torch.Tensor:
@@ -180,7 +183,7 @@ class _LayerRecorder:
         K = code.top_k_index.shape[-1]
         index = code.top_k_index.reshape(-1, K)  # (B·T, K)
         weights = code.top_k_weights.reshape(-1, K).float()  # (B·T, K)
-        fired = weights > 0
+        fired = self.layer.active_entries(weights)  # (B·T, K) bool
         token = torch.arange(index.shape[0], device=index.device)[:, None].expand_as(index)[fired]  # (P,)
         unit, value = index[fired], weights[fired]  # (P,)
         U = self.layer.num_units

@@ -22,8 +22,11 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from ..evaluation.reading import quality_verdict
 from .local_paths import ASSETS_VARIABLE
-from .metrics_schema import CeMetrics, GenerationMetrics, LayerMetrics, Metrics, ReconstructionPositions
+from .metrics_schema import (
+    CeMetrics, GenerationMetrics, LayerMetrics, Metrics, ReconstructionPositions, StackingMetrics,
+)
 from .run_folder import MODEL_CARD, write_text
 
 from expertize.modeling.sparse_layers import LAYER_KINDS
@@ -42,26 +45,40 @@ __all__ = [
 TEMPLATE_NAME = "expertize_model.md"
 LM_EVAL_URL = "https://github.com/EleutherAI/lm-evaluation-harness"
 MISSING = "—"
+UNKNOWN_LICENSE = "unknown"
+"""The `license:` metadata while the base model's license is not known: a placeholder the user must replace (the
+card says so and `expertize push` warns)."""
+FALLBACK_PROMPT = "The"
+"""The generation example of a folder whose metrics.json records no held-out prompt (`example_prompt`)."""
 
 
 @dataclass(frozen=True)
 class KindInfo:
-    """How a card names one sparse layer kind (read from the kind's spec class: title, unit_name, units_field)."""
+    """How a card names one sparse layer kind (read from the kind's spec class: title, unit_name, units_field,
+    code_unit())."""
 
     title: str
     """Method name in prose, e.g. "Mixture of Decoders (MxD)"."""
     unit: str
-    """What the sparse code indexes: "expert" or "latent"."""
+    """What the router / top K chooses among, counted by `units_field`: "expert" or "latent"."""
     units_field: str
     """Spec field holding the number of units."""
+    code_unit: str
+    """What one id of the sparse code is, the unit that L0, dead units and the code's hooks count: the `unit` for
+    most kinds, "hidden unit" (of an expert) for MoE-X."""
 
 
 def _kind_info(kind: str) -> KindInfo:
     """The card's names for `kind`, read from its spec class (a generic "unit" for a kind this version lacks)."""
     if kind in LAYER_KINDS:
         spec_cls = LAYER_KINDS[kind][0]
-        return KindInfo(spec_cls.title or kind, spec_cls.unit_name, spec_cls.units_field)
-    return KindInfo(kind, "unit", "num_units")
+        return KindInfo(spec_cls.title or kind, spec_cls.unit_name, spec_cls.units_field, spec_cls.code_unit())
+    return KindInfo(kind, "unit", "num_units", "unit")
+
+
+def _code_units(kinds) -> list[str]:
+    """The code's unit names of `kinds` ("expert", "hidden unit", ...), sorted, each once."""
+    return sorted({_kind_info(kind).code_unit for kind in kinds})
 
 
 def _citation(kind: str) -> str:
@@ -173,7 +190,8 @@ def _layer_list(indices: list[int]) -> str:
     return "layers " + ", ".join(words[:-1]) + " and " + words[-1]
 
 
-def _summary(base_model: str, layers: dict[int, dict], is_hub_id: bool) -> str:
+def _replacements(layers: Mapping[int, Mapping[str, Any]]) -> str:
+    """"the MLP of layer 2 replaced by a MoE-X layer (K = 4 of 16 experts active per token); ..." for `layers`."""
     groups: dict[tuple, list[int]] = {}
     for index, spec in layers.items():
         groups.setdefault((spec.get("kind"), spec.get("k"), _num_units(spec)), []).append(index)
@@ -185,16 +203,41 @@ def _summary(base_model: str, layers: dict[int, dict], is_hub_id: bool) -> str:
             f"the MLP{'' if one else 's'} of {_layer_list(indices)} replaced by {'a ' if one else ''}{info.title} "
             f"layer{'' if one else 's'} (K = {_cell(k)} of {_cell(n_units)} {info.unit}s active per token)"
         )
+    return "; ".join(parts)
+
+
+def _display_name(model: str) -> str:
+    """A base model as a table header or a short mention: a Hub id as it is, a local or packaged folder by its name
+    (never `${EXPERTIZE_ASSETS}/...` or a path)."""
+    return Path(model).name if model.startswith(ASSETS_VARIABLE + "/") or model.count("/") > 1 else model
+
+
+def _summary(
+    base_model: str, layers: dict[int, dict], is_hub_id: bool, stacking: StackingMetrics | None = None
+) -> str:
     if is_hub_id:
         base = f"[{base_model}](https://huggingface.co/{base_model})"
     elif base_model.startswith(ASSETS_VARIABLE + "/"):
         base = f"`{Path(base_model).name}` (the small model shipped with expertize, `{base_model}` in a recipe)"
     else:
         base = f"`{base_model}`"
-    units = "/".join(sorted({_kind_info(spec.get("kind", "")).unit + "s" for spec in layers.values()}))
+    units = "/".join(f"{unit}s" for unit in _code_units(spec.get("kind", "") for spec in layers.values()))
+    inherited = {int(i) for i in (stacking.base_sparse_layers if stacking is not None else {})} & set(layers)
+    own = {i: spec for i, spec in layers.items() if i not in inherited}
+    if inherited and own:
+        # Stacking: this run replaced `own`; the base, an expertize model, already had the others.
+        original = stacking.original_base_model
+        made_from = f" from the dense `{_display_name(original)}`" if original else ""
+        first = (
+            f"{base} with {_replacements(own)} by this run. {base.split(' (')[0]} is itself an expertize model, "
+            f"made in an earlier run{made_from}: {_replacements({i: layers[i] for i in sorted(inherited)})}. This "
+            f"model has sparse layers at {_layer_list(sorted(layers))}"
+        )
+    else:
+        first = f"{base} with {_replacements(layers)}"
     return (
-        f"{base} with {'; '.join(parts)}. Each sparse layer is a drop-in replacement for the dense MLP, trained to "
-        "reproduce its outputs; every other weight is the base model's, unchanged. The sparse code says which "
+        f"{first}. Each sparse layer is a drop-in replacement for the dense MLP, trained to reproduce its outputs; "
+        "every other weight is the base model's, unchanged. The sparse code says which "
         f"{units} fired on which token, and it can be read, steered and ablated at run time."
     )
 
@@ -219,6 +262,7 @@ def _layer_table(layers: dict[int, dict]) -> tuple[list[str], list[list[str]]]:
 _FORMATS = {
     "number": format_number,
     "l0": lambda x: format_number(x, 2),
+    "units": lambda x: format_number(x, 1),  # effective units: a count, one decimal is plenty
     "percent": format_percent,
     "count": format_count,
 }
@@ -228,14 +272,17 @@ def _formatted(section: Any, f) -> str:
     return _FORMATS[f.metadata["format"]](getattr(section, f.name))
 
 
-def _metric_table(layer_metrics: Mapping[str, LayerMetrics]) -> tuple[list[str], list[list[str]]]:
+def _metric_table(
+    layer_metrics: Mapping[str, LayerMetrics], layers: Mapping[int, Mapping[str, Any]]
+) -> tuple[list[str], list[list[str]]]:
     columns = LayerMetrics.titled_fields()  # the schema's titled fields, in order
     header = ["layer", *(f.metadata["title"] for f in columns), "dead"]
     rows = []
     for index, m in sorted(layer_metrics.items(), key=lambda kv: int(kv[0])):
         dead = format_count(m.dead_units)
         if m.num_units is not None:
-            dead += f" / {format_count(m.num_units)}"
+            spec = layers.get(int(index), {})
+            dead += f" / {format_count(m.num_units)} {_code_units([spec.get('kind', '')])[0]}s"
         if m.dead_fraction is not None:
             dead += f" ({format_percent(m.dead_fraction)})"
         rows.append([str(int(index))] + [_formatted(m, f) for f in columns] + [dead])
@@ -256,10 +303,15 @@ def _positions_note(positions: ReconstructionPositions | None) -> str:
     )
 
 
-def _ce_rows(ce: CeMetrics | None, generation: GenerationMetrics | None) -> list[list[str]]:
+def _ce_rows(
+    ce: CeMetrics | None, generation: GenerationMetrics | None, stacking: StackingMetrics | None = None
+) -> list[list[str]]:
     rows = []
     if ce is not None:
         rows += [[f.metadata["title"], _formatted(ce, f)] for f in CeMetrics.titled_fields()]
+    if stacking is not None:
+        name = f" (`{_display_name(stacking.original_base_model)}`)" if stacking.original_base_model else ""
+        rows += [[f.metadata["title"] + name, _formatted(stacking, f)] for f in StackingMetrics.titled_fields()]
     if generation is not None and generation.match_at_end is not None:
         size = [f"{format_count(generation.n_prompts)} prompts"] if generation.n_prompts else []
         size += [f"{len(generation.match_curve)} tokens"] if generation.match_curve else []
@@ -285,20 +337,26 @@ def _with_stderr(value: Any, stderr: Any) -> str:
     return text + f" ± {format_number(stderr)}" if _is_number(value) and _is_number(stderr) else text
 
 
-def _lm_eval(lm_eval: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> tuple[list[list[str]], list[EvalResult]]:
+def _lm_eval(
+    lm_eval: Mapping[str, Mapping[str, Mapping[str, Any]]], details: Mapping[str, Mapping[str, Any]]
+) -> tuple[list[list[str]], list[EvalResult]]:
+    """The lm-eval table's rows and the `model-index` entries. Only a task whose Hub dataset was recorded is a
+    `model-index` entry (its dataset id as the dataset type); a task made from local text is marked "(local)" in the
+    table and never listed as if it were a public benchmark."""
     rows, results = [], []
     for task, task_metrics in lm_eval.items():
+        dataset, local = details.get(task, {}).get("dataset"), details.get(task, {}).get("local")
         for metric, entry in task_metrics.items():
             value, base = entry.get("value"), entry.get("base_value")
             ours, theirs = _with_stderr(value, entry.get("stderr")), _with_stderr(base, entry.get("base_stderr"))
             delta = f"{value - base:+.4f}" if _is_number(value) and _is_number(base) else MISSING
-            rows.append([_code(task), _code(metric), theirs, ours, delta])
-            if _is_number(value):
+            rows.append([_code(task) + (" (local)" if local else ""), _code(metric), theirs, ours, delta])
+            if _is_number(value) and dataset:
                 metric_type, _, metric_filter = str(metric).partition(",")  # lm-eval keys: "acc,none"
                 results.append(
                     EvalResult(
                         task_type="text-generation",
-                        dataset_type=task,
+                        dataset_type=str(dataset),
                         dataset_name=task,
                         metric_type=metric_type,
                         metric_value=float(value),
@@ -326,6 +384,9 @@ def _lm_eval_notes(details: Mapping[str, Mapping[str, Any]]) -> list[str]:
             parts.append(f"limit {_cell(d['limit'])}: a smoke test, not a benchmark")
         if parts:
             notes.append(f"{_code(task)}: {', '.join(parts)}")
+    if any(d.get("local") for d in details.values()):
+        notes.append("(local): a task made from local text (`expertize tasks`, or shipped with expertize), not a "
+                     "public benchmark; it is left out of this card's metadata")
     return notes
 
 
@@ -374,6 +435,8 @@ def render_model_card(
     repo_id: str | None = None,
     lm_eval_details: Mapping[str, Mapping[str, Any]] | None = None,
     base_model_is_hub_id: bool | None = None,
+    license: str | None = None,
+    datasets: list[str] | None = None,
 ) -> ModelCard:
     """The model card (metadata + body) without writing it; see `write_model_card` for the arguments."""
     model_dir = Path(model_dir)
@@ -388,7 +451,7 @@ def render_model_card(
     kinds = list(dict.fromkeys(spec["kind"] for spec in layers.values()))
     model_name = model_name or (repo_id.split("/")[-1] if repo_id else _default_model_name(base_model, layers))
 
-    lm_eval_rows, eval_results = _lm_eval(lm_eval or {})
+    lm_eval_rows, eval_results = _lm_eval(lm_eval or {}, lm_eval_details or {})
     # True: a Hub id (metadata + link); False: a name that is not one (no metadata: the Hub accepts only repository
     # ids there); None: unknown, recorded as given and linked when it has the form of a Hub id.
     in_metadata = base_model_is_hub_id is not False
@@ -401,23 +464,28 @@ def render_model_card(
         tags=["expertize", *kinds, "sparse-experts", "interpretability"],
         model_name=model_name,
         eval_results=eval_results or None,
+        license=license or UNKNOWN_LICENSE,
+        datasets=list(datasets) if datasets else None,
     )
 
     evaluated = metrics.evaluated if isinstance(metrics, Metrics) else bool(metrics)
     if not isinstance(metrics, Metrics):
         metrics = Metrics.from_dict(dict(metrics or {}))
     layer_header, layer_rows = _layer_table(layers)
-    metric_header, metric_rows = _metric_table(metrics.layers)
+    metric_header, metric_rows = _metric_table(metrics.layers, layers)
     generation = metrics.generation
-    units = sorted({_kind_info(kind).unit for kind in kinds})
+    units = _code_units(kinds)  # the code's units: what L0, dead units and the hooks count
     template = importlib.resources.files("expertize.model_cards").joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
     return ModelCard.from_template(
         card_data,
         template_str=template,
         model_name=model_name,
         repo_id=repo_id or f"<user>/{model_name}",
-        base_model=base_model,  # the lm-eval table's column (also when the metadata has no base_model)
-        summary=_summary(base_model, layers, base_model_is_hub_id),
+        base_label=_display_name(base_model),  # the lm-eval table's column: a name, never a path or ${...}
+        summary=_summary(base_model, layers, base_model_is_hub_id, metrics.stacking),
+        license_unknown=not license,
+        example_prompt=json.dumps(metrics.example_prompt or FALLBACK_PROMPT, ensure_ascii=False),
+        verdict=quality_verdict(metrics) if evaluated else None,  # a reading.Verdict: grade, reasons
         blocks_expr=_blocks_expr(model_dir),
         example_layer=next(iter(layers)),
         unit=units[0] if len(units) == 1 else "unit",
@@ -434,7 +502,8 @@ def render_model_card(
         health_warnings=[f"layer {i}: {w}" for i, m in sorted(metrics.layers.items(), key=lambda kv: int(kv[0]))
                          for w in m.health],
         positions_note=_positions_note(metrics.reconstruction_positions),
-        ce_rows=_ce_rows(metrics.ce, generation),
+        ce_rows=_ce_rows(metrics.ce, generation, metrics.stacking),
+        stacked=metrics.stacking is not None,
         match_rows=_match_rows(list(generation.match_curve) if generation is not None else []),
         n_prompts=format_count(generation.n_prompts if generation is not None else None),
         lm_eval_rows=lm_eval_rows,
@@ -457,6 +526,8 @@ def write_model_card(
     repo_id: str | None = None,
     lm_eval_details: Mapping[str, Mapping[str, Any]] | None = None,
     base_model_is_hub_id: bool | None = None,
+    license: str | None = None,
+    datasets: list[str] | None = None,
 ) -> Path:
     """Write `model_dir/README.md` (Hub metadata + card body) and return its path; a second call replaces it.
 
@@ -480,6 +551,9 @@ def write_model_card(
             the lm-eval table.
         base_model_is_hub_id: whether `base_model` is a Hub repository id (False: no `base_model` metadata, no
             link); None: recorded as given, linked when it has the form of a Hub id.
+        license: the `license:` metadata (a Hub license id, the base model's); None: "unknown", a placeholder the
+            card asks the user to replace.
+        datasets: Hub dataset ids the layers were trained on (the `datasets:` metadata); local text is never listed.
     """
     model_dir = Path(model_dir)
     card = render_model_card(
@@ -493,6 +567,8 @@ def write_model_card(
         repo_id=repo_id,
         lm_eval_details=lm_eval_details,
         base_model_is_hub_id=base_model_is_hub_id,
+        license=license,
+        datasets=datasets,
     )
     # Atomic: readers see the old card or the new one, never half of one.
     return write_text(model_dir / MODEL_CARD, str(card))

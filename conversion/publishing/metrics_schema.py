@@ -10,6 +10,8 @@
         train: TrainSummary              distillation steps and tokens
         init: InitMetrics                CE of the dense initialisation (layer.init: split | copy)
         heal: HealSummary                end-to-end healing (heal: section)
+        stacking: StackingMetrics        a run on an expertize base: the cost against the original dense model
+        example_prompt                   the start of a held-out document (the card's generation example)
         recipe_summary: {setting: value} the card's Training rows
         lm_eval: LmEval                  lm-eval results, base vs this model (eval.lm_eval_tasks / `expertize eval`)
 
@@ -32,7 +34,8 @@ from ..errors import ExpertizeError
 
 __all__ = [
     "CeMetrics", "GenerationMetrics", "HealSummary", "InitMetrics", "LayerMetrics", "LmEval", "LmEvalMetric",
-    "LmEvalTask", "Metrics", "MetricsError", "ReconstructionPositions", "TrainSummary", "load_metrics",
+    "LmEvalTask", "Metrics", "MetricsError", "ReconstructionPositions", "StackingMetrics", "TrainSummary",
+    "load_metrics",
     "scalar_metric_paths",
 ]
 
@@ -42,7 +45,7 @@ class MetricsError(ExpertizeError, ValueError):
 
 
 def _title(title: str, fmt: str = "number") -> dict:
-    """Field metadata: the card's label and how it formats the value (number, percent, count, l0)."""
+    """Field metadata: the card's label and how it formats the value (number, percent, count, l0, units)."""
     return {"title": title, "format": fmt}
 
 
@@ -158,7 +161,7 @@ class LayerMetrics(_Section):
     num_units: int | None = None
     usage_entropy: float | None = None
     """Entropy (nats) of the firings' distribution over the units (log N when all fire equally often)."""
-    effective_units: float | None = field(default=None, metadata=_title("effective units (exp entropy)"))
+    effective_units: float | None = field(default=None, metadata=_title("effective units (exp entropy)", "units"))
     fvu_mean_code: float | None = None
     """FVU with every token given the layer's average code (evaluation/code_probe.py)."""
     code_share: float | None = field(default=None, metadata=_title("share of fidelity from the code", "percent"))
@@ -251,6 +254,19 @@ class HealSummary(_Section):
 
 
 @dataclass
+class StackingMetrics(_Section):
+    """A run whose base model is itself an expertize model (evaluation/stacking.py): `ce` is measured against that
+    base; the whole model's cost is measured against the dense model the chain of runs started from."""
+
+    base_sparse_layers: dict[str, str] = field(default_factory=dict)
+    """Layers the base model already had as sparse layers (index -> kind), from earlier runs."""
+    original_base_model: str | None = None
+    """The dense model the chain started from (as recorded; None when a folder of the chain records no base)."""
+    original_ce: float | None = field(default=None, metadata=_title("CE, original dense model"))
+    delta_original: float | None = field(default=None, metadata=_title("ΔCE against the original dense model"))
+
+
+@dataclass
 class LmEvalMetric(_Section):
     value: float | None = None
     stderr: float | None = None
@@ -273,6 +289,11 @@ class LmEvalTask(_Section):
     seed: int | None = None
     lm_eval_version: str | None = None
     base: str | None = None
+    dataset: str | None = None
+    """The Hub dataset the task reads (its dataset_path), None for local data or when not recorded."""
+    local: bool | None = None
+    """True: the task reads local data (made by `expertize tasks`, shipped with expertize, or a local file), so it is
+    not a public benchmark; False: a Hub dataset; None: not recorded."""
     results_files: dict[str, str] = field(default_factory=dict)
     metrics: dict[str, LmEvalMetric] = field(default_factory=dict)
 
@@ -300,11 +321,14 @@ class Metrics(_Section):
     train: TrainSummary | None = None
     init: InitMetrics | None = None
     heal: HealSummary | None = None
+    stacking: StackingMetrics | None = None
     recipe_summary: dict[str, Any] = field(default_factory=dict)
     lm_eval: LmEval | None = None
     verdict: dict[str, Any] | None = None
     """Whether the replacement behaves like the MLP: {"grade": good | fair | poor | cannot judge, "reasons": [...]}
     (evaluation/reading.py's quality_verdict, from FVU, KL and CE recovered)."""
+    example_prompt: str | None = None
+    """The start of a held-out document, the card's generation example (text the model was made for)."""
 
     @property
     def evaluated(self) -> bool:
@@ -328,6 +352,12 @@ class Metrics(_Section):
                 f"L0 {format_number(layer.l0, 2)}, dead {format_percent(layer.dead_fraction)}"
             )
             lines.extend(f"WARNING layer {index} code {warning}" for warning in layer.health)
+        stacking = self.stacking
+        if stacking is not None and stacking.delta_original is not None:
+            lines.append(
+                f"stacked on an expertize model: ΔCE {format_number(stacking.delta_original)} against the original "
+                f"dense model {stacking.original_base_model} (CE {format_number(stacking.original_ce)})"
+            )
         if self.generation is not None and self.generation.match_at_end is not None:
             lines.append(f"greedy continuations identical to base: {format_percent(self.generation.match_at_end)}")
         for task, entry in (self.lm_eval.tasks if self.lm_eval else {}).items():

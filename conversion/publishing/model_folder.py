@@ -25,13 +25,14 @@ from expertize.modeling.sparse_layers import spec_from_dict
 
 from ..checks import check_weight_file
 from ..errors import ExpertizeError
-from .card import render_model_card, write_model_card
+from .card import UNKNOWN_LICENSE, render_model_card, write_model_card
 from .local_paths import local_base_model, public_base_model
 from .metrics_schema import Metrics, load_metrics
-from .run_folder import METRICS, PROVENANCE, RESOLVED_RECIPE, write_json
+from .run_folder import METRICS, MODEL_CARD, PROVENANCE, RESOLVED_RECIPE, write_json
 
 __all__ = [
     "ModelFolderError",
+    "card_license",
     "check_model_folder",
     "load_metrics",
     "read_metrics",
@@ -159,6 +160,29 @@ def write_metrics(model_dir: str | os.PathLike, metrics: dict[str, Any] | Metric
     return path
 
 
+def card_license(model_dir: str | os.PathLike) -> str | None:
+    """The license the folder's card gives: the one set in its README.md's metadata (by the user, or rendered from
+    the records) when it is not the placeholder, else provenance.json's `base_license` (the base model's); None when
+    unknown."""
+    readme = Path(model_dir) / MODEL_CARD
+    if readme.is_file():
+        try:
+            stated = ModelCard.load(readme).data.license
+        except (OSError, ValueError):
+            stated = None
+        if isinstance(stated, str) and stated and stated != UNKNOWN_LICENSE:
+            return stated
+    return read_provenance(model_dir).get("base_license") or None
+
+
+def _hub_datasets(model_dir: Path) -> list[str]:
+    """The Hub datasets the layers were trained on (recipe.resolved.yaml's data.name for data.source hub); local text
+    files are never listed as Hub datasets."""
+    recipe = model_dir / RESOLVED_RECIPE
+    data = ((yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}).get("data") or {}) if recipe.is_file() else {}
+    return [str(data["name"])] if data.get("source") == "hub" and data.get("name") else []
+
+
 def _card_inputs(model_dir: Path, base_model: str | None, public: bool) -> dict[str, Any]:
     config = check_model_folder(model_dir)
     layers = config.get("sparse_layers") or {}
@@ -186,6 +210,8 @@ def _card_inputs(model_dir: Path, base_model: str | None, public: bool) -> dict[
         metrics=metrics if metrics.evaluated else None,
         lm_eval={task: {key: m.to_dict() for key, m in entry.metrics.items()} for task, entry in tasks.items()},
         lm_eval_details={task: entry.details() for task, entry in tasks.items()},
+        license=card_license(model_dir),
+        datasets=_hub_datasets(model_dir),
     )
 
 

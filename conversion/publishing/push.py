@@ -8,13 +8,17 @@
 
 Never `model.push_to_hub()`: it replaces README.md with a generic card.
 
-What is uploaded: the model, not the workbench. The folder's files (model, remote code, tokenizer, metrics.json, the
-resolved recipe, provenance.json, train_log.jsonl, the card) and its `MODEL_SUBFOLDERS` (plots/, lm_eval/'s
-results_*.json and comparison files) go up. Not uploaded: training leftovers and local-only files (`EXCLUDED`:
-`checkpoint/`, staging and hidden files such as `.final.*`, `.*.tmp` and the run lock, `__pycache__/`), lm-eval's
-per-document logs `samples_*.jsonl` (large; `include_samples=True` uploads them), and any other subfolder: reports
-written into the folder, such as `expertize inspect --output MODEL_DIR/inspect` (megabytes of explorer data) or a
-tracker's `tracking/` (`include_reports=True` uploads them; `left_out_reports` names them).
+What is uploaded: the model, not the workbench, by an allow-list (`is_model_file`): what a model folder holds
+and nothing else. At the top level the model (config.json, generation_config.json, the safetensors weights and the
+shards their index names), the remote code (the bundle's files), the tokenizer's files (`TOKENIZER_FILES`), the card
+and the records (metrics.json, provenance.json, recipe*.yaml, train_log.jsonl, heal_log.jsonl); and the
+`MODEL_SUBFOLDERS` (plots/, lm_eval/'s results_*.json and comparison files). Everything else is left out and named
+(`left_out`): reports written into the folder, at its top level (`expertize inspect --output MODEL_DIR`'s
+layer_<i>.json and index.html, `expertize specialize --json MODEL_DIR/spec.json`) or in a subfolder (an `inspect/`
+report, a tracker's `tracking/`); `include_reports=True` uploads them too. Never uploaded: training leftovers and
+local-only files (`EXCLUDED`: `checkpoint/`, staging and hidden files such as `.final.*`, `.*.tmp` and the run lock,
+`__pycache__/`), and lm-eval's per-document logs `samples_*.jsonl` unless `include_samples=True`.
+`expertize push --dry-run` lists exactly the files `files_to_upload` chooses (the staged upload's), offline.
 
 Local paths stay local: the uploaded copies of the records (metrics.json, provenance.json, recipe*.yaml, lm_eval/
 JSON and Markdown) name local files `<local>/NAME` and a base model from the Hub by its id (local_paths.py); the
@@ -36,12 +40,16 @@ from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled, Reposit
 
 from ..errors import ExpertizeError
 from .local_paths import public_text
+from .card import UNKNOWN_LICENSE
 from .model_folder import (
-    ModelFolderError, check_model_folder, read_provenance, recorded_base_model, render_card_from_folder,
+    ModelFolderError, card_license, check_model_folder, read_provenance, recorded_base_model, render_card_from_folder,
 )
-from .run_folder import CHECKPOINT, LM_EVAL, METRICS, MODEL_CARD, PLOTS, PROVENANCE
+from .run_folder import CHECKPOINT, HEAL_LOG, LM_EVAL, METRICS, MODEL_CARD, PLOTS, PROVENANCE, TRAIN_LOG
 
-__all__ = ["EXCLUDED", "MODEL_SUBFOLDERS", "PushError", "files_to_upload", "left_out_reports", "push_model"]
+__all__ = [
+    "EXCLUDED", "MODEL_SUBFOLDERS", "PushError", "TOKENIZER_FILES", "dry_run", "files_to_upload", "is_model_file",
+    "left_out", "license_warning", "push_model",
+]
 
 EXCLUDED = (f"{CHECKPOINT}/*", ".*", "*/.*", "__pycache__/*", "*/__pycache__/*", "*.tmp", "*.pyc")
 """Relative-path patterns never uploaded (fnmatch; "*" also matches "/")."""
@@ -49,42 +57,78 @@ SAMPLES = "*samples_*.jsonl"
 MODEL_SUBFOLDERS = (PLOTS, LM_EVAL)
 """The subfolders that belong to the published model (its card shows them); any other is a report, left out unless
 asked for (`include_reports`)."""
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
+RECORD_FILES = (MODEL_CARD, METRICS, PROVENANCE, TRAIN_LOG, HEAL_LOG, "recipe*.yaml", "recipe*.yml")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja",
+    "chat_template.json",
+)
+"""What `save_pretrained` of transformers' tokenizers writes (fast and slow, BPE, WordPiece, SentencePiece)."""
 
 
 class PushError(ExpertizeError, ValueError):
     """The push cannot go ahead (no token, name clash, ...); the message says why and what to do."""
 
 
-def _is_report(rel: str) -> bool:
-    """A file in a subfolder that is not one of the model's own (`MODEL_SUBFOLDERS`)."""
-    return "/" in rel and rel.split("/", 1)[0] not in MODEL_SUBFOLDERS
+def _code_files() -> frozenset[str]:
+    """The remote-code files a saved model carries: the bundle's modules (expertize.modeling)."""
+    import expertize.modeling
+
+    return frozenset(p.name for p in Path(expertize.modeling.__file__).parent.glob("*.py") if p.name != "__init__.py")
+
+
+def _weight_shards(root: Path) -> frozenset[str]:
+    """The shard files a sharded checkpoint's index names."""
+    index = root / "model.safetensors.index.json"
+    if not index.is_file():
+        return frozenset()
+    try:
+        return frozenset(json.loads(index.read_text(encoding="utf-8")).get("weight_map", {}).values())
+    except (OSError, ValueError):
+        return frozenset()
+
+
+def is_model_file(rel: str, *, shards: frozenset[str] = frozenset(), code: frozenset[str] | None = None) -> bool:
+    """Whether the relative path `rel` is part of a model folder (the allow-list): a file of `MODEL_SUBFOLDERS`, or a
+    top-level model, weight shard (`shards`), remote-code (`code`, default the bundle's), tokenizer or record file."""
+    if "/" in rel:
+        return rel.split("/", 1)[0] in MODEL_SUBFOLDERS
+    code = _code_files() if code is None else code
+    allowed = (*MODEL_FILES, *TOKENIZER_FILES, *RECORD_FILES)
+    return rel in shards or rel in code or any(fnmatch.fnmatch(rel, pattern) for pattern in allowed)
+
+
+def _candidates(root: Path, include_samples: bool) -> list[str]:
+    """Every file below `root` that may ever be uploaded (not `EXCLUDED`), sorted relative POSIX paths."""
+    excluded = EXCLUDED + (() if include_samples else (SAMPLES,))
+    return [rel for path in sorted(root.rglob("*")) if path.is_file()
+            and not any(fnmatch.fnmatch(rel := path.relative_to(root).as_posix(), p) for p in excluded)]
 
 
 def files_to_upload(
     model_dir: str | os.PathLike, *, include_samples: bool = False, include_reports: bool = False
 ) -> list[str]:
-    """Relative paths (sorted, POSIX) of the files `push_model` uploads from `model_dir`."""
+    """Relative paths (sorted, POSIX) of the files `push_model` uploads from `model_dir`: the model folder's own
+    files (`is_model_file`), or with `include_reports` every file that is not `EXCLUDED`."""
     root = Path(model_dir)
-    excluded = EXCLUDED + (() if include_samples else (SAMPLES,))
-    out = []
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root).as_posix()
-        if not path.is_file() or any(fnmatch.fnmatch(rel, pattern) for pattern in excluded):
-            continue
-        if include_reports or not _is_report(rel):
-            out.append(rel)
-    return out
+    shards, code = _weight_shards(root), _code_files()
+    return [rel for rel in _candidates(root, include_samples)
+            if include_reports or is_model_file(rel, shards=shards, code=code)]
 
 
-def left_out_reports(model_dir: str | os.PathLike) -> dict[str, int]:
-    """The report subfolders `push_model` leaves out by default, with their sizes in bytes (name -> bytes)."""
+def left_out(model_dir: str | os.PathLike, *, include_samples: bool = False) -> dict[str, int]:
+    """What `push_model` leaves out by default because it is not part of the model (reports, notes, anything else):
+    top-level files by name, other subfolders as "NAME/", with their sizes in bytes."""
     root = Path(model_dir)
+    kept = set(files_to_upload(root, include_samples=include_samples))
     sizes: dict[str, int] = {}
-    for rel in files_to_upload(root, include_samples=True, include_reports=True):
-        if _is_report(rel):
-            top = rel.split("/", 1)[0]
-            sizes[top] = sizes.get(top, 0) + (root / rel).stat().st_size
+    for rel in _candidates(root, include_samples):
+        if rel not in kept:
+            name = rel.split("/", 1)[0] + "/" if "/" in rel else rel
+            sizes[name] = sizes.get(name, 0) + (root / rel).stat().st_size
     return sizes
+
 
 
 def _card_is_ours(readme: Path) -> bool:
@@ -118,7 +162,7 @@ def _local_roots(model_dir: Path) -> tuple[list[str], dict[str, str]]:
     return roots, hub_ids
 
 
-def _stage(model_dir: Path, stage: Path, repo_id: str, include_samples: bool, include_reports: bool) -> None:
+def _stage(model_dir: Path, stage: Path, repo_id: str | None, include_samples: bool, include_reports: bool) -> None:
     """Hard-link (or copy across filesystems) the files to upload into `stage`; write public copies of the records
     (local paths replaced); re-render an expertize card with the real repo id (its loading snippet and model-index
     name), or render one when the folder has none."""
@@ -214,6 +258,38 @@ def _network(repo_id: str) -> Iterator[None]:
         ) from None
 
 
+def _check_repo_id(repo_id: str) -> None:
+    if "/" not in repo_id or repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise PushError(f"--repo-id {repo_id!r}: expected USER/NAME (or ORG/NAME), e.g. alice/gpt2-mxd-l8")
+
+
+def dry_run(
+    model_dir: str | os.PathLike, repo_id: str | None = None, *, include_samples: bool = False,
+    include_reports: bool = False,
+) -> dict[str, int]:
+    """What `push_model` would upload, relative path -> bytes (sorted): the folder staged exactly as a push stages it
+    (the allow-listed files, the public copies of the records, the card rendered for `repo_id`), then listed. Offline:
+    no token, no network; the staging folder (hidden, inside `model_dir`) is removed."""
+    model_dir = Path(model_dir)
+    if repo_id is not None:
+        _check_repo_id(repo_id)
+    check_model_folder(model_dir)
+    with tempfile.TemporaryDirectory(prefix=".push.", dir=model_dir) as tmp:
+        _stage(model_dir, Path(tmp), repo_id, include_samples, include_reports)
+        files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in Path(tmp).rglob("*") if p.is_file()}
+    return dict(sorted(files.items()))
+
+
+def license_warning(model_dir: str | os.PathLike) -> str | None:
+    """The warning push gives while the card's license is unknown (None once it is set)."""
+    if card_license(model_dir) is not None:
+        return None
+    return (
+        f"the model card's license is unknown (license: {UNKNOWN_LICENSE}): the base model's license governs this "
+        f"derived model; set `license:` in {Path(model_dir) / MODEL_CARD}'s metadata (push keeps it)"
+    )
+
+
 def push_model(
     model_dir: str | os.PathLike,
     repo_id: str,
@@ -229,11 +305,10 @@ def push_model(
 
     `revision` pushes to that branch (created from main when missing) instead of main. `token` defaults to the
     logged-in token (`hf auth login` or HF_TOKEN); it is checked before anything touches the network.
-    `include_reports`: also upload subfolders other than plots/ and lm_eval/ (e.g. an `inspect/` report).
+    `include_reports`: also upload what is not part of the model (reports at the top level or in subfolders).
     """
     model_dir = Path(model_dir)
-    if "/" not in repo_id or repo_id.count("/") != 1 or not all(repo_id.split("/")):
-        raise PushError(f"--repo-id {repo_id!r}: expected USER/NAME (or ORG/NAME), e.g. alice/gpt2-mxd-l8")
+    _check_repo_id(repo_id)
     token = token or get_token()
     if not token:
         raise PushError(

@@ -3,6 +3,7 @@
 Both are written once per run (`upcycle.publish`); the card and `expertize eval` read them back from the folder.
 """
 
+import os
 import platform
 import subprocess
 from importlib import metadata
@@ -14,7 +15,11 @@ from expertize import __version__
 
 from ..recipe.data import token_budget_to_sequences
 from ..recipe import Recipe
-from .local_paths import base_model_provenance
+from .local_paths import base_model_provenance, hub_id_of, packaged_name
+from .run_folder import MODEL_CARD
+
+EXAMPLE_PROMPT_TOKENS = 8
+"""Tokens of held-out text in the card's generation example."""
 
 PACKAGES = ("torch", "transformers", "accelerate", "datasets", "safetensors", "huggingface-hub", "peft", "lm-eval")
 
@@ -22,7 +27,9 @@ PACKAGES = ("torch", "transformers", "accelerate", "datasets", "safetensors", "h
 def recipe_summary(recipe: Recipe, total_steps: int) -> dict:
     """The card's Training rows (kept in metrics.json, so that a card refreshed later shows them too)."""
     data, train, heal = recipe.data, recipe.train, recipe.heal
-    source = data.name if data.source == "hub" else ", ".join(Path(p).name for p in data.paths)
+    # A Hub dataset by its id; local files as such (never mistaken for Hub datasets).
+    source = f"Hub dataset {data.name}" if data.source == "hub" else (
+        "local text: " + ", ".join(Path(p).name for p in data.paths))
     healing = {}
     if heal is not None:
         rest = f"LoRA r={heal.lora_r} on {heal.lora_target_modules}, merged" if heal.rest == "lora" else "frozen"
@@ -35,20 +42,20 @@ def recipe_summary(recipe: Recipe, total_steps: int) -> dict:
         "steps": total_steps,
         "tokens per step": train.tokens_per_step,
         "context length": data.context_length,
-        "data": f"{data.source}: {source}",
+        "data": source,
         "loss": train.loss,
-        "optimizer": f"AdamW (lr {_lr(train, total_steps)}, warmup {train.warmup_steps}, {train.schedule})",
+        "optimizer": f"AdamW (lr {_lr(recipe)}, warmup {train.warmup_steps}, {train.schedule})",
         "precision": train.precision,
         "seed": train.seed,
         **healing,
     }
 
 
-def _lr(train, total_steps: int) -> str:
+def _lr(recipe: Recipe) -> str:
     """The peak learning rate as the card shows it: "auto (0.01)" when the rule chose it."""
-    if train.lr == "auto":
-        return f"auto ({train.resolved_lr(total_steps):.3g})"
-    return f"{train.lr}"
+    if recipe.train.lr == "auto":
+        return f"auto ({recipe.distill_lr():.3g})"
+    return f"{recipe.train.lr}"
 
 
 def provenance(recipe: Recipe, *, device: torch.device | str | None = None) -> dict:
@@ -68,9 +75,45 @@ def provenance(recipe: Recipe, *, device: torch.device | str | None = None) -> d
         "seed": recipe.train.seed,
         **base_model_provenance(recipe.base_model),
         "base_revision": recipe.base_revision,
+        "base_license": base_license(recipe.base_model, recipe.base_revision),
         "device": None if device is None else str(device),
         "eval_sequences_per_token_budget": token_budget_to_sequences(recipe.data.eval_tokens, recipe.data.context_length),
     }
+
+
+def base_license(base_model: str, revision: str | None = None) -> str | None:
+    """The license of the base model as its own card states it (the `license:` metadata of its README.md: a local
+    folder's, or a Hub model's README in the local Hugging Face cache; nothing is downloaded); for the model shipped
+    with expertize, expertize's license. None when unknown: the card then asks the user to fill it in."""
+    if packaged_name(base_model):
+        return (metadata.metadata("expertize").get("License-Expression") or "").lower() or None
+    readme = Path(os.path.expanduser(base_model)) / MODEL_CARD
+    if not readme.is_file():
+        hub_id = hub_id_of(base_model)
+        if hub_id is None:
+            return None
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(hub_id, MODEL_CARD, revision=revision)
+        if not isinstance(cached, str):
+            return None
+        readme = Path(cached)
+    from huggingface_hub import ModelCard
+
+    try:
+        license_ = ModelCard.load(readme).data.license
+    except (OSError, ValueError):
+        return None
+    return license_ if isinstance(license_, str) and license_ and license_ != "unknown" else None
+
+
+def example_prompt(eval_sequences: torch.Tensor, tokenizer, tokens: int = EXAMPLE_PROMPT_TOKENS) -> str | None:
+    """The first `tokens` tokens of held-out text (special tokens left out), decoded: a generation example that fits
+    the model's data (the card's loading snippet). None when there is no text."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    ids = [int(t) for t in eval_sequences[0].tolist() if int(t) not in special][:tokens] if len(eval_sequences) else []
+    text = tokenizer.decode(ids).strip() if ids else ""
+    return text or None
 
 
 def _git_commit() -> str | None:

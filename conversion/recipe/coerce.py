@@ -88,7 +88,9 @@ def build(cls: type, raw: Any, prefix: str, src: Source) -> Any:
             try:
                 kwargs[f.name] = coerce(raw[f.name], hints[f.name], key, src)
             except (_Mismatch, _Invalid) as e:
-                raise src.error(e.key, str(e)) from None
+                # A field may say what a value of the wrong type usually means (e.g. a kind per layer).
+                hint = f.metadata.get("mismatch_hint", "") if isinstance(e, _Mismatch) and e.key == key else ""
+                raise src.error(e.key, str(e) + hint) from None
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             missing.append(f.name)
     if missing:

@@ -36,11 +36,20 @@ def has_selection_bias(kind: str) -> bool:
     return "selection_bias" in spec_field_names(kind)
 
 
+ONE_KIND_PER_RECIPE = dict(mismatch_hint=(
+    "; one recipe puts one sparse layer (its layer: section) at every index of layers; to mix kinds, convert in "
+    "steps: a second recipe with base_model: the first run's output_dir and its own layers and layer: "
+    "(docs/upcycle.md#stacking)"
+))
+"""Field metadata of the keys a newcomer bends to ask for a kind per layer (`layers`, `layer`, `layer.kind`): a value
+of the wrong type there is refused with this hint (coerce.build)."""
+
+
 @dataclasses.dataclass
 class LayerConfig:
     """The sparse layer that replaces each target MLP (recipe section `layer:`)."""
 
-    kind: str = DEFAULT_KIND
+    kind: str = dataclasses.field(default=DEFAULT_KIND, metadata=ONE_KIND_PER_RECIPE)
     """Sparse layer kind: any key of expertize.modeling.LAYER_KINDS (default: the registry's DEFAULT_KIND, MxD)."""
 
     k: int = 32

@@ -21,7 +21,7 @@ from typing import Literal
 
 from .data import DataConfig, token_budget_to_sequences
 from .lr_rule import rule_lr
-from .layer_config import LayerConfig
+from .layer_config import ONE_KIND_PER_RECIPE, LayerConfig
 from .variants import VariantConfig, check_variants
 from .coerce import RecipeError, check_field_types
 
@@ -149,10 +149,11 @@ class TrainConfig:
     log interval, for distillation and healing: "none", "tensorboard" (event files in OUTPUT_DIR/tracking/; needs
     `pip install "expertize[tracking]"`), "wandb", ... (the tracker's package must be installed)."""
 
-    def resolved_lr(self, total_steps: int) -> float:
-        """The peak learning rate of a distillation of `total_steps` steps: `lr`, or the rule's value when "auto"."""
+    def resolved_lr(self, total_steps: int, factor: float = 1.0) -> float:
+        """The peak learning rate of a distillation of `total_steps` steps: `lr`, or the rule's value when "auto" for
+        a kind whose `auto_lr_factor` is `factor`."""
         if self.lr == "auto":
-            return rule_lr(total_steps, self.tokens_per_step)
+            return rule_lr(total_steps, self.tokens_per_step, factor)
         return float(self.lr)
 
     def __post_init__(self) -> None:
@@ -363,10 +364,10 @@ class Recipe:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype the base model is loaded in (it only produces the activations the sparse layers learn from)."""
 
-    layers: list[int] | Literal["all"]
+    layers: list[int] | Literal["all"] = dataclasses.field(metadata=ONE_KIND_PER_RECIPE)
     """Decoder layer indices whose MLPs are replaced, e.g. [8], or "all"."""
 
-    layer: LayerConfig = dataclasses.field(default_factory=LayerConfig)
+    layer: LayerConfig = dataclasses.field(default_factory=LayerConfig, metadata=ONE_KIND_PER_RECIPE)
     """The sparse layer used at every index in `layers`."""
 
     data: DataConfig
@@ -414,6 +415,12 @@ class Recipe:
         """Optimizer steps of the layer-wise distillation: data.train_tokens // train.tokens_per_step (0 with
         train.distill: false). Preflight refuses a distilling recipe whose budget is less than one step."""
         return self.data.train_tokens // self.train.tokens_per_step if self.train.distill else 0
+
+    def distill_lr(self) -> float:
+        """The distillation's peak learning rate: train.lr, or what `auto` gives this recipe's kind and steps."""
+        from expertize.modeling import LAYER_KINDS
+
+        return self.train.resolved_lr(self.distill_steps(), LAYER_KINDS[self.layer.kind][0].auto_lr_factor)
 
     def run_steps(self) -> dict[str, int]:
         """Optimizer steps of each training stage: {"train": ..., "heal": ...} (a stage that does not run is left

@@ -70,15 +70,26 @@ def auto_k_aux(d_out: int) -> int:
     return max(1, min(PAPER_K_AUX, d_out // 2))
 
 
-def fired_units(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_units: int) -> torch.Tensor:
-    """Units with a non-zero weight in the code: (..., K) index and weights -> (N,) bool, on the code's device.
+def fired_units(top_k_index: torch.Tensor, active: torch.Tensor, num_units: int) -> torch.Tensor:
+    """Units active somewhere in a code: (..., K) index and its active mask (the layer's rule,
+    `SparseLayer.active_entries(weights)`, bool) -> (N,) bool, on the code's device.
 
-    A selected unit whose weight is 0 (ReLU after TopK, padding of a variable-width code) did not fire, as in
-    `evaluation.evaluate`'s dead-unit count. `index_add_` instead of boolean indexing: no host sync."""
+    The mask, not the weights: which entries count is the kind's one definition, shared with the evaluation's dead
+    units and the inspection's firing (e.g. a selected unit whose weight is 0 did not fire). `index_add_` instead of
+    boolean indexing: no host sync."""
+    if active.dtype != torch.bool:
+        raise TypeError(f"active must be a bool mask (layer.active_entries(weights)), got {active.dtype}")
     index = top_k_index.reshape(-1)  # (T·K,)
-    fired = (top_k_weights.reshape(-1) != 0).to(torch.float32)  # (T·K,)
+    fired = active.reshape(-1).to(torch.float32)  # (T·K,)
     counts = torch.zeros(num_units, dtype=torch.float32, device=index.device).index_add_(0, index, fired)  # (N,)
     return counts > 0
+
+
+def code_l0(layer, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> float:
+    """Mean active units per token of one step's code ((..., K) each) by the layer's rule (`active_entries`): the
+    L0 of the training and healing logs, counted as the evaluation counts it. One host sync (a logged number)."""
+    tokens = top_k_index[..., 0].numel() if top_k_index.shape[-1] else top_k_index.numel()
+    return layer.active_entries(top_k_weights).sum().item() / max(tokens, 1)
 
 
 class DeadUnitTracker:
@@ -102,11 +113,12 @@ class DeadUnitTracker:
         """False while no unit can be dead yet (fewer than `window_tokens` tokens seen): the trainer may skip AuxK."""
         return self.tokens_seen >= self.window_tokens
 
-    def update(self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_tokens: int | None = None) -> None:
-        """Record one step's code ((..., K) index and weights); `num_tokens` defaults to the code's token count."""
+    def update(self, top_k_index: torch.Tensor, active: torch.Tensor, num_tokens: int | None = None) -> None:
+        """Record one step's code ((..., K) index and its active mask, `fired_units`'); `num_tokens` defaults to the
+        code's token count."""
         if num_tokens is None:
             num_tokens = top_k_index[..., 0].numel() if top_k_index.shape[-1] else top_k_index.numel()
-        self.update_fired(fired_units(top_k_index, top_k_weights, self.num_units), num_tokens)
+        self.update_fired(fired_units(top_k_index, active, self.num_units), num_tokens)
 
     def update_fired(self, fired: torch.Tensor, num_tokens: int) -> None:
         """Record one step of `num_tokens` tokens in which the units of `fired` ((N,) bool) fired."""

@@ -24,7 +24,8 @@ from expertize.modeling import SparseLayer
 from ..data.activations import ActivationBatches
 from .losses import LOSSES
 from ..recipe import TrainConfig
-from .auxk import DeadUnitTracker, auto_k_aux, auxk_loss, dead_window_tokens, fired_units, supports_auxk
+from ..recipe.lr_rule import MEASURED_STEPS, beyond_measured
+from .auxk import DeadUnitTracker, auto_k_aux, auxk_loss, code_l0, dead_window_tokens, fired_units, supports_auxk
 from .balance import SelectionBalancer, balanced
 from .resample import UNTIL_FRACTION, Resampler, auto_every_tokens, supports_resampling
 from .engine import Engine, OptimConfig, remove_hooks, run_paths
@@ -82,7 +83,9 @@ class Trainer(Engine):
         super().__init__(
             self.stack,
             self.stack.parameters(),
-            OptimConfig.from_config(cfg, lr=cfg.resolved_lr(total_steps)),
+            OptimConfig.from_config(
+                cfg, lr=cfg.resolved_lr(total_steps, next(iter(layers.values())).spec.auto_lr_factor)
+            ),
             total_steps=total_steps,
             tokens_per_step=cfg.tokens_per_step,
             checkpoint_path=checkpoint_path,
@@ -198,8 +201,12 @@ class Trainer(Engine):
         """The learning rate `train.lr: auto` resolved to, one line (None for a fixed rate)."""
         if self.cfg.lr != "auto":
             return None
-        return (f"train.lr auto: {self.optim.lr:.3g} for {self.total_steps:,} steps (the rule of "
+        note = (f"train.lr auto: {self.optim.lr:.3g} for {self.total_steps:,} steps (the rule of "
                 "conversion/recipe/lr_rule.py)")
+        if beyond_measured(self.total_steps):
+            note += (f"; beyond the {MEASURED_STEPS:,} steps it was measured on, the rule extrapolates: consider a "
+                     "sweep (variants with train.lr 3x above and below)")
+        return note
 
     def begin(self, resumed: bool) -> None:
         self.model.train()
@@ -249,7 +256,7 @@ class Trainer(Engine):
         reduce = (lambda t: self.accelerator.reduce(t, reduction="mean")) if self.num_processes > 1 else None
         for i in parts[0]:
             index, weights = self._codes[i]  # (T, K) each: this step's code (its kept positions only)
-            fired = fired_units(index, weights, self.layers[i].num_units)  # (N,) bool
+            fired = fired_units(index, self.layers[i].active_entries(weights), self.layers[i].num_units)  # (N,)
             if self.num_processes > 1:
                 fired = self.accelerator.reduce(fired.int(), reduction="sum") > 0
             self.dead_units[i].update_fired(fired, self.tokens_per_step)  # global tokens of the step's stream
@@ -270,10 +277,9 @@ class Trainer(Engine):
         per_layer, units = {}, 0
         for i, loss in losses.items():
             index, weights = self._codes[i]  # (T, K) each: this step's code
-            tokens = index.reshape(-1, index.shape[-1]).shape[0] if index.shape[-1] else index.numel()
             entry = {
                 "loss": loss.item(),
-                "l0": (weights > 0).sum().item() / max(tokens, 1),
+                "l0": code_l0(self.layers[i], index, weights),
                 "dead": int(self.dead_units[i].dead_mask().sum()),
             }
             if i in auxk:

@@ -28,7 +28,7 @@ from .losses import kl_base_to_other, next_token_ce
 from ..errors import ExpertizeError
 from ..recipe import HealConfig
 from ..surgery.families import attention_projections, conv1d_attention
-from .auxk import DeadUnitTracker, dead_window_tokens, fired_units
+from .auxk import DeadUnitTracker, code_l0, dead_window_tokens, fired_units
 from .engine import Engine, OptimConfig, remove_hooks, run_paths
 
 def lora_config(cfg: HealConfig, family: str):
@@ -211,15 +211,15 @@ class Healer(Engine):
         """Every step: which units fired (device-side)."""
         for name, (index, weights) in self._codes.items():
             tracker = self.dead_units[name]
-            tracker.update_fired(fired_units(index, weights, tracker.num_units), self.tokens_per_step)
+            active = self.sparse_layers[name].active_entries(weights)  # (T, K) bool: the kind's rule
+            tracker.update_fired(fired_units(index, active, tracker.num_units), self.tokens_per_step)
 
     def record(self, parts: dict[str, torch.Tensor]) -> dict:
         record = {key: value.item() for key, value in parts.items()}
         l0, dead, units = [], 0, 0
         for name, (index, weights) in self._codes.items():
             tracker = self.dead_units[name]
-            tokens = index.reshape(-1, index.shape[-1]).shape[0] if index.shape[-1] else index.numel()
-            l0.append((weights > 0).sum().item() / max(tokens, 1))
+            l0.append(code_l0(self.sparse_layers[name], index, weights))
             dead += int(tracker.dead_mask().sum())
             units += tracker.num_units
         if l0:
