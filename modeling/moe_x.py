@@ -82,6 +82,10 @@ class MoeXSpec(SparseSpec):
     )
     code_unit_name: ClassVar[str] = "hidden unit"
     title: ClassVar[str] = "MoE-X"
+    not_topk_coder: ClassVar[str] = (
+        "a router picks the experts and weights them by a softmax over their scores, so the code is no "
+        "TopK(ReLU(W_enc x + b_enc)) of one linear encoder"
+    )
     init_modes: ClassVar[tuple[str, ...]] = ("default", "split", "copy")
     citation: ClassVar[str] = arxiv_bibtex(
         "yang2025moex",
