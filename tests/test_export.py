@@ -9,14 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import AutoModel
 
 from expertize.conversion.cli import main
 from expertize.conversion.export import folder as export_folder_module
 from expertize.conversion.export.expressible import exportable_kinds, hookpoint
+from expertize.conversion.recipe import recipe_from_dict
 from expertize.conversion.surgery.splice import load_expertize_model
+from expertize.conversion.upcycle import upcycle
 from expertize.modeling import LAYER_KINDS, SparseSpec, build_sparse_layer
-from tests.conftest import FAMILY_NAMES, run_isolated, tiny_base_config
+from tests.conftest import FAMILY_NAMES, run_isolated, tiny_base_config, write_corpus
 from tests.export_helpers import held_out_ids, mlp_inputs_outputs, model_folder, sparse_layer
 from tests.kinds import KINDS, randomized, tiny_spec
 
@@ -81,7 +84,7 @@ def test_a_selection_bias_that_changes_the_choice_is_refused(tmp_path, capsys):
     assert code == 2 and err == (
         "expertize export: error: layer 0: its selection bias b_select (spread 0.5) changes which units are chosen, "
         "and sparsify chooses by the pre-activations alone, so its outputs would differ; export a model trained "
-        'without the selection bias (train.balance other than "bias")'
+        "without a selection bias (train.balance: none)"
     )
     assert not (tmp_path / "out").exists()
     # A constant bias shifts every positive score alike: the same units are chosen, and the export goes ahead.
@@ -187,6 +190,23 @@ def test_hookpoints_are_the_base_models_mlps(family):
         assert base.get_submodule(hookpoint("expertize_" + family, i)) is blocks[i].mlp
 
 
+def test_a_delphi_cache_of_any_kind_names_the_base(tmp_path, capsys):
+    """`--to delphi` holds activations, so kinds with no fixed decoder rows export too; each hookpoint's
+    config.json names the base model (delphi's loader reads its tokenizer there). delphi's own loader on it:
+    tests/test_export_tools.py."""
+    folder = model_folder(tmp_path, {0: sparse_layer("mxd"), 1: sparse_layer("routed_neurons", seed=1)})
+    corpus = write_corpus(tmp_path / "a.txt", 40)
+    args = ["--to", "delphi", tmp_path / "cache", "--corpus", f"a={corpus}", "--tokens", "128",
+            "--context-length", "16", "--no-progress"]
+    assert _export(capsys, folder, *args)[0] == 0
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["layers.0.mlp", "layers.1.mlp"]
+    for hook in ("layers.0.mlp", "layers.1.mlp"):
+        config = json.loads((tmp_path / "cache" / hook / "config.json").read_text())
+        assert config["model_name"] == str((tmp_path / "base-llama").resolve()) and config["cache_ctx_len"] == 16
+    code, err = _export(capsys, folder, *args)
+    assert code == 2 and "already exists and is not empty" in err
+
+
 # -- circuit-tracer, as its source loads and runs a transcoder set ----------------------------------------------------
 
 CIRCUIT_TRACER_CHECK = REFERENCE + """
@@ -234,3 +254,38 @@ def test_circuit_tracer_set_equals_every_layer_on_every_token(tmp_path, capsys):
     # Both cases occur: tokens with at least K positive pre-activations, and the ones the zero latents are for.
     assert all(0.2 < f < 1 for f in report["fewer_than_k"].values()), report
     assert all(d > 0.1 for d in report["unpadded_diff"].values()), report  # and without them it differs
+
+
+# -- a recipe over every layer, then one command to a circuit-tracer set ---------------------------------------------
+
+
+def test_a_recipe_over_every_layer_exports_a_circuit_tracer_set(tiny_run, capsys):
+    """`layers: all` end to end: preflight, capture, training, splice, card and provenance cover every decoder layer,
+    and the folder exports as circuit-tracer's set (every layer, one width, one k) naming the recorded base."""
+    tmp_path, tree = tiny_run
+    tree.update(layers="all", layer={"kind": "transcoder", "k": 4, "num_latents": 64})
+    tree["data"]["train_tokens"] = 2_048
+    tree["train"]["balance"] = "none"  # the default ("floor") gives a selection bias, which the tools cannot hold
+    out = upcycle(recipe_from_dict(tree), progress=False)
+    assert sorted(json.loads((out / "config.json").read_text())["sparse_layers"]) == ["0", "1"]
+    assert sorted(json.loads((out / "metrics.json").read_text())["layers"]) == ["0", "1"]
+    assert yaml.safe_load((out / "recipe.resolved.yaml").read_text())["layers"] == "all"
+    assert "the MLPs of layers 0 and 1 replaced by TopK transcoder layers" in (out / "README.md").read_text()
+    assert _export(capsys, out, "--to", "circuit-tracer", tmp_path / "ct") == (0, "")
+    config = yaml.safe_load((tmp_path / "ct" / "config.yaml").read_text())
+    assert config["model_name"] == str((tmp_path / "base").resolve()) and config["k"] == 4
+    assert sorted(p.name for p in (tmp_path / "ct").glob("layer_*")) == ["layer_0.safetensors", "layer_1.safetensors"]
+
+
+def test_every_family_has_a_transformer_lens_entry_point():
+    """TransformerLens finds an adapter by the folder's architecture name through this entry-point group
+    (pyproject.toml): a new family needs its line there (then reinstall: entry points are install metadata)."""
+    from importlib.metadata import entry_points
+
+    from expertize.modeling import FAMILIES
+
+    found = {ep.name: ep.value for ep in entry_points(group="transformer_lens.architectures")
+             if getattr(ep.dist, "name", None) == "expertize"}
+    expected = {f.causal_lm_class.__name__: f"expertize.conversion.export.transformer_lens:"
+                f"{f.causal_lm_class.__name__}Adapter" for f in FAMILIES.values()}
+    assert found == expected

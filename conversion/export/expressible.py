@@ -89,7 +89,7 @@ def coder_layers(model, target: str) -> list[CoderLayer]:
             raise ExportError(
                 f"layer {index}: its selection bias b_select (spread {spread:.3g}) changes which units are chosen, "
                 f"and {target} chooses by the pre-activations alone, so its outputs would differ; export a model "
-                "trained without the selection bias (train.balance other than \"bias\")"
+                "trained without a selection bias (train.balance: none)"
             )
         found.append(CoderLayer(index, hookpoint(model.config.model_type, index), coder))
     return found
