@@ -8,6 +8,7 @@
     expertize inspect MODEL_DIR --corpus N=P  what every unit responds to (JSON + HTML)   (conversion/inspection/)
     expertize specialize MODEL_DIR ...        domain masking, probing, steering           (conversion/specialization/)
     expertize capture RECIPE --output DIR     the activation cache                        (conversion/capture.py)
+    expertize export MODEL_DIR --to T OUT     layers for sparsify / circuit-tracer / delphi (conversion/export/)
 
 Heavy imports (torch, transformers, lm_eval) happen inside the subcommands, so `--help` stays fast.
 """
@@ -17,8 +18,9 @@ import os
 import sys
 
 from .checks import at_least, int_list, non_negative_int, positive_float, positive_int
-from .cli_flags import Subcommand, layer_list, lm_eval_limit, setting_flag, settings_from
+from .cli_flags import Subcommand, corpus_pass_flags, lm_eval_limit, setting_flag, settings_from
 from .errors import ExpertizeError
+from .export.command import add_export
 
 
 def _upcycle(args: argparse.Namespace) -> int:
@@ -145,8 +147,8 @@ def _mib(size: int) -> str:
 def _inspect(args: argparse.Namespace) -> int:
     from .checks import check_output_location, model_positions, resolve_device
     from .inspection import (
-        InspectionError, export_delphi, format_prompt_view, inspect_folder, load_for_inspection,
-        parse_corpora, prompt_ids, prompt_view, report_bytes, token_texts,
+        InspectionError, format_prompt_view, inspect_folder, load_for_inspection, parse_corpora, prompt_ids,
+        prompt_view, report_bytes, token_texts,
     )
 
     device = resolve_device(args.device, "--device")
@@ -160,6 +162,11 @@ def _inspect(args: argparse.Namespace) -> int:
     settings = inspection_settings(args)
     corpora = parse_corpora(args.corpus)
     check_output_location(args.output, what="--output", need_bytes=report_bytes(args.model_dir, settings))
+    if args.export == "delphi":
+        from .export.delphi import export_delphi
+        from .export.folder import base_model_name
+
+        model_name = base_model_name(args.model_dir, args.base_model)  # refused before the pass, not after it
     stats = inspect_folder(
         args.model_dir, corpora, settings, device=device,
         progress=None if args.no_progress else _inspect_progress,
@@ -168,7 +175,11 @@ def _inspect(args: argparse.Namespace) -> int:
         print(file=sys.stderr)
     written = stats.write(args.output)
     if args.export == "delphi":
-        export_delphi(stats, os.path.join(args.output, "delphi_cache"))
+        import json
+        from pathlib import Path
+
+        model_type = json.loads(Path(args.model_dir, "config.json").read_text(encoding="utf-8"))["model_type"]
+        export_delphi(stats, os.path.join(args.output, "delphi_cache"), model_name=model_name, model_type=model_type)
         written.append(os.path.join(args.output, "delphi_cache"))
     for layer, ls in sorted(stats.layers.items()):
         dead = int((ls.counts == 0).sum())
@@ -207,25 +218,20 @@ def _inspect_flags(ins) -> None:
     from .inspection import InspectionSettings as S
 
     ins.add_argument("model_dir", help="an expertize model folder (written by `expertize upcycle` or save_model)")
-    ins.add_argument("--corpus", action="append", default=[], metavar="NAME=PATH",
-                     help="a named corpus (.txt: one document per line or blank-line blocks; .jsonl: a \"text\" "
-                     "field); repeat for per-domain firing rates, e.g. --corpus code=code.txt "
-                     "--corpus wiki=wiki.jsonl")
-    setting_flag(ins, S, "tokens", type=positive_int)
+    corpus_pass_flags(ins, S, corpus_help="a named corpus (.txt: one document per line or blank-line blocks; .jsonl: "
+                      "a \"text\" field); repeat for per-domain firing rates, e.g. --corpus code=code.txt "
+                      "--corpus wiki=wiki.jsonl")
     ins.add_argument("--output", help="folder for layer_<i>.json and index.html")
     ins.add_argument("--prompt", help="print the units firing on each token of this text instead")
     ins.add_argument("--per-token", type=positive_int, default=5,
                      help="--prompt: units shown per token and layer (default 5)")
-    setting_flag(ins, S, "layers", type=layer_list, help="comma-separated sparse layer indices (default: all)")
     setting_flag(ins, S, "top_n", type=positive_int)
     setting_flag(ins, S, "left", type=non_negative_int)
     setting_flag(ins, S, "right", type=non_negative_int, help="context tokens after the peak")
     setting_flag(ins, S, "vocab_top", type=positive_int)
-    setting_flag(ins, S, "context_length", type=at_least(2, "tokens per sequence"),
-                  help="tokens per sequence, at most the model's positions")
-    setting_flag(ins, S, "batch_size", type=positive_int, help="sequences per forward pass")
-    ins.add_argument("--device", default="cpu", help="auto, cpu, cuda, cuda:N, mps (default cpu)")
     ins.add_argument("--export", choices=["delphi"], help="also write a delphi latent cache to DIR/delphi_cache")
+    ins.add_argument("--base-model", help="--export delphi: the base model's Hub id or folder, the cache's "
+                     "model_name (default: the one the folder records)")
     ins.add_argument("--no-progress", action="store_true", help="no progress line")
 
 
@@ -493,6 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(sub)
     _add_specialize(sub)
     _add_capture(sub)
+    add_export(sub)
     return parser
 
 

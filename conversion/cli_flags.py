@@ -10,7 +10,7 @@ import dataclasses
 import inspect
 from collections.abc import Callable
 
-from .checks import non_negative_int
+from .checks import at_least, non_negative_int, positive_int
 
 
 class Subcommand(argparse.ArgumentParser):
@@ -79,6 +79,20 @@ def settings_from(args: argparse.Namespace, owner, **given):
     """`owner`'s settings from the parsed flags of the same names (`setting_flag`), plus `given`."""
     names = {f.name for f in dataclasses.fields(owner)} - set(given)
     return owner(**{name: getattr(args, name) for name in names if hasattr(args, name)}, **given)
+
+
+def corpus_pass_flags(parser, settings, *, corpus_help: str) -> None:
+    """The flags of one pass of a model folder over named corpora, shared by `inspect` and `export --to delphi`:
+    --corpus (repeatable), the `settings` dataclass's (`InspectionSettings`) tokens, layers, context_length and
+    batch_size, and --device."""
+    parser.add_argument("--corpus", action="append", default=[], metavar="NAME=PATH", help=corpus_help)
+    setting_flag(parser, settings, "tokens", type=positive_int)
+    setting_flag(parser, settings, "layers", type=layer_list,
+                 help="comma-separated sparse layer indices (default: all)")
+    setting_flag(parser, settings, "context_length", type=at_least(2, "tokens per sequence"),
+                 help="tokens per sequence, at most the model's positions")
+    setting_flag(parser, settings, "batch_size", type=positive_int, help="sequences per forward pass")
+    parser.add_argument("--device", default="cpu", help="auto, cpu, cuda, cuda:N, mps (default cpu)")
 
 
 # -- the types of the commands' own flags (conversion/checks.py holds those the recipe shares) -------------------------

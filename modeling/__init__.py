@@ -22,7 +22,7 @@ from .monet import (
 from .mumoe import MuMoECPSpec, MuMoELayer, MuMoESpec, MuMoETRSpec, entmax15
 from .mxd import MxdLayer, MxdSpec
 from .routed_neurons import RoutedNeuronsLayer, RoutedNeuronsSpec
-from .sparse_base import SparseCode, SparseLayer, SparseSpec
+from .sparse_base import SparseCode, SparseLayer, SparseSpec, TopKCoder
 from .sparse_layers import LAYER_KINDS, build_sparse_layer, spec_from_dict
 from .transcoder import SkipTranscoderSpec, TranscoderLayer, TranscoderSpec
 
@@ -61,6 +61,7 @@ __all__ = [
     "SparseCode",
     "SparseLayer",
     "SparseSpec",
+    "TopKCoder",
     "TranscoderLayer",
     "TranscoderSpec",
     "build_sparse_layer",

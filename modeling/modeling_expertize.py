@@ -119,13 +119,17 @@ class ExpertizeModelMixin:
         # transformers' init functions, which never overwrite loaded weights, so the native rule applies.
         super()._initialize_weights(module, is_custom_code=False)
 
-    def decoder_blocks(self) -> nn.ModuleList:
+    def transformer_blocks(self) -> nn.ModuleList:
+        """The decoder blocks (`model.transformer_blocks()[i].mlp` is decoder layer i's MLP, in every family).
+
+        Not named `decoder_blocks`: TransformerLens's bridge forwards unknown attributes to the wrapped model and
+        reads `decoder_blocks` (with `encoder_blocks`) as the mark of an encoder-decoder model."""
         return self.get_submodule(self._blocks_path)
 
     def sparse_layers(self) -> dict[int, SparseLayer]:
         """The sparse layers by decoder layer index (looking through adapter wrappers such as PEFT's)."""
         layers = {}
-        for i, block in enumerate(self.decoder_blocks()):
+        for i, block in enumerate(self.transformer_blocks()):
             mlp = block.mlp
             if not isinstance(mlp, SparseLayer) and callable(getattr(mlp, "get_base_layer", None)):
                 mlp = mlp.get_base_layer()
@@ -193,7 +197,7 @@ class ExpertizeBaseModelMixin(ExpertizeModelMixin):
         return result.to_tuple() if return_dict is False else result
 
     def _install_sparse_layers(self) -> None:
-        blocks = self.decoder_blocks()
+        blocks = self.transformer_blocks()
         for index, spec in self.config.sparse_layer_specs().items():
             blocks[index].mlp = build_sparse_layer(spec)
         # Initializes only modules not yet flagged as initialized, i.e. the new sparse layers; refreshes tied keys.

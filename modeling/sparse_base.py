@@ -138,6 +138,11 @@ class SparseSpec:
     1 for kinds whose best rate was the rule's on the models measured; below 1 for kinds that train best slower."""
     code_unit_name: ClassVar[str | None] = None
     """What one id of the sparse code denotes, when it is not a `unit_name` (MoE-X: "hidden unit" of an expert)."""
+    not_topk_coder: ClassVar[str] = (
+        "its output is not a sum of fixed decoder rows weighted by TopK(ReLU(W_enc x + b_enc))"
+    )
+    """Why this kind's layer is not a TopK sparse coder (`SparseLayer.topk_coder` gives None), the one shape that
+    sparsify and circuit-tracer hold: `expertize export` refuses such a layer with this reason."""
 
     d_in: int
     d_out: int
@@ -226,6 +231,29 @@ class SparseSpec:
         raise NotImplementedError
 
 
+class TopKCoder(NamedTuple):
+    """A layer that is exactly a TopK sparse coder, the one shape sparse-coder tools (sparsify, circuit-tracer) hold:
+
+        y = W_decᵀ TopK_k(ReLU(W_enc x + b_enc)) + b_dec  (+ W_skip x)
+
+    The K units are chosen among the positive pre-activations, by `pre + b_select` where `b_select` is given (it
+    chooses, never weights). Tensors are the layer's own, detached."""
+
+    W_enc: torch.Tensor
+    """(L, I) encoder rows."""
+    b_enc: torch.Tensor
+    """(L,)"""
+    W_dec: torch.Tensor
+    """(L, O) decoder rows: unit l adds W_dec[l] per unit of its value."""
+    b_dec: torch.Tensor
+    """(O,)"""
+    W_skip: torch.Tensor | None
+    """(O, I) linear skip path, or None."""
+    k: int
+    b_select: torch.Tensor | None
+    """(L,) selection bias, or None."""
+
+
 class SparseLayer(nn.Module):
     """Base class of every sparse MLP replacement.
 
@@ -310,6 +338,11 @@ class SparseLayer(nn.Module):
         return torch.zeros(self.b_select.shape[0], device=index.device).index_add_(0, index, fired)
 
     # -- what inspection asks (conversion/inspection/ reads these; it never switches on the kind) -------------------
+
+    def topk_coder(self) -> TopKCoder | None:
+        """The layer as a TopK sparse coder when it is exactly one (`TopKCoder`), else None; the spec's
+        `not_topk_coder` says why not. What `expertize export` writes for sparsify and circuit-tracer."""
+        return None
 
     router_distribution: str | None = None
     """How a token's routing is a distribution over the routed experts, if the kind has a router: "scores" (a

@@ -19,6 +19,7 @@ from .sparse_base import (
     SparseCode,
     SparseLayer,
     SparseSpec,
+    TopKCoder,
     _require_bool,
     _require_int,
     arxiv_bibtex,
@@ -101,6 +102,13 @@ class TranscoderLayer(SparseLayer):
 
     def output_directions(self) -> torch.Tensor:
         return self.W_dec.detach()  # latent l adds W_dec[l] per unit of its value: (L, O)
+
+    def topk_coder(self) -> TopKCoder:
+        """Exactly the shape the sparse-coder tools hold (sparsify's transcoders, circuit-tracer's)."""
+        skip = None if self.W_skip is None else self.W_skip.detach()
+        select = None if self.b_select is None else self.b_select.detach()
+        return TopKCoder(self.W_enc.detach(), self.b_enc.detach(), self.W_dec.detach(), self.b_dec.detach(), skip,
+                         int(self.spec.k), select)
     supports_auxk = True
     """Dead latents can model the residual error (`auxk_reconstruction`; conversion/training/auxk.py)."""
 

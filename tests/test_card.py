@@ -179,7 +179,7 @@ def test_mixed_kinds(tmp_path):
     assert "| 3 | `skip_transcoder` | 64 → 64 | 2,048 | 16 | 99 | — |" in text
     assert CITATIONS["transcoder"] in text and CITATIONS["skip_transcoder"] in text
     assert "2505.21364" not in text
-    assert "layer = model.decoder_blocks()[1].mlp" in text  # no config.json: the family-agnostic accessor
+    assert "layer = model.transformer_blocks()[1].mlp" in text  # no config.json: the family-agnostic accessor
 
 
 def test_without_metrics(tmp_path):

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file
+from transformers import AutoTokenizer
 
 from expertize.conversion.cli import main
 from expertize.conversion.inspection import LAYER_SCHEMA, SchemaError, validate
-from expertize.conversion.inspection.export import split_ranges
+from expertize.conversion.export.delphi import split_ranges
 from expertize.conversion.surgery.splice import save_model, splice
 from expertize.modeling import MoeXSpec, TranscoderSpec, build_sparse_layer
 from tests.conftest import D_MODEL, tiny_base_model, tiny_tokenizer, write_corpus
@@ -23,6 +24,8 @@ def model_dir(tmp_path_factory):
     layers = {0: build_sparse_layer(TranscoderSpec(d_in=D_MODEL, d_out=D_MODEL, num_latents=300, k=2)),
               1: build_sparse_layer(MoeXSpec(d_in=D_MODEL, d_out=D_MODEL, d_expert=4, num_experts=4, k=2))}
     out = save_model(splice(tiny_base_model("llama"), layers), tmp / "model", tiny_tokenizer())
+    tiny_base_model("llama").save_pretrained(tmp / "base")  # what the delphi cache names (the base, not the folder)
+    tiny_tokenizer().save_pretrained(tmp / "base")
     write_corpus(tmp / "a.txt", 60)
     jsonl = tmp / "b.jsonl"
     jsonl.write_text("\n".join(json.dumps({"text": " ".join(f"w{(i * 7 + j) % 90}" for j in range(30))})
@@ -110,11 +113,18 @@ def test_prompt_view_prints_the_units_of_each_token(model_dir, capsys):
 
 
 def test_delphi_cache_matches_every_activation(model_dir, tmp_path):
-    out = _inspect(model_dir, tmp_path, "--export", "delphi")
-    module = out / "delphi_cache" / "model.layers.0.mlp"
+    base = model_dir.parent / "base"
+    out = _inspect(model_dir, tmp_path, "--export", "delphi", "--base-model", str(base))
+    # Hookpoints as delphi names them on the base model (below its `model`): the MLP's module path there.
+    assert sorted(p.name for p in (out / "delphi_cache").iterdir()) == ["layers.0.mlp", "layers.1.mlp"]
+    module = out / "delphi_cache" / "layers.0.mlp"
     config = json.loads((module / "config.json").read_text(encoding="utf-8"))
     assert {"dataset_repo", "dataset_split", "dataset_name", "dataset_column", "batch_size", "cache_ctx_len",
             "n_tokens", "n_splits", "model_name"} <= set(config)
+    # delphi's LatentDataset loads its tokenizer from model_name: the base model, loadable (it was the folder's
+    # leaf name, "model", which loads nothing).
+    assert config["model_name"] == str(base)
+    assert AutoTokenizer.from_pretrained(config["model_name"]).get_vocab() == tiny_tokenizer().get_vocab()
     # What delphi's TensorBuffer.load does: first latent from the file name, locations as int64, tokens as int64.
     found = []
     for start, end in split_ranges(300, config["n_splits"]):
@@ -154,6 +164,8 @@ def test_errors_are_one_line_with_exit_2(model_dir, tmp_path, capsys):
         (["inspect", str(model_dir), "--corpus", f"x={tmp_path / 'missing.txt'}", "--output", str(tmp_path / "o")],
          "no such file"),
         (["inspect", str(model_dir), "--output", str(tmp_path / "o")], "give --corpus NAME=PATH"),
+        (["inspect", str(model_dir), "--corpus", str(model_dir.parent / "a.txt"), "--output", str(tmp_path / "o"),
+          "--export", "delphi"], "does not name a loadable base model (recorded: none); the tools load the base"),
         (["inspect", str(model_dir), "--corpus", str(model_dir.parent / "a.txt"), "--layers", "5",
           "--output", str(tmp_path / "o")], "layer(s) [5] are not sparse layers"),
     ]

@@ -10,11 +10,10 @@
     report.py    layer_<i>.json, its JSON schema and validator
     html.py      the offline explorer index.html (template: explorer.html)
     prompt.py    the per-prompt view
-    export.py    a delphi latent cache
+(delphi's latent cache, written from the same pass: conversion/export/delphi.py)
 """
 
 from .corpora import InspectionError, corpus_sequences, parse_corpora
-from .export import export_delphi
 from .folder import inspect_folder, load_for_inspection, prompt_ids, report_bytes, token_texts
 from .prompt import PromptView, format_prompt_view, prompt_view
 from .report import LAYER_SCHEMA, SchemaError, layer_report, validate, write_reports
@@ -30,7 +29,6 @@ __all__ = [
     "SchemaError",
     "collect_stats",
     "corpus_sequences",
-    "export_delphi",
     "format_prompt_view",
     "inspect_folder",
     "layer_report",

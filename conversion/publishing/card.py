@@ -400,7 +400,7 @@ def _blocks_expr(model_dir: Path) -> str:
         family = FAMILIES.get(str(model_type).removeprefix("expertize_"))
         if family is not None:
             return f"model.{family.blocks_path}"
-    return "model.decoder_blocks()"
+    return "model.transformer_blocks()"
 
 
 def _recipe_files(model_dir: Path) -> list[str]:
