@@ -32,7 +32,8 @@ from .data.cache import cached_batches, open_matching_cache
 from .data.capture import MlpCapture, excluded_token_ids
 from .data.text import iter_sequences, load_eval_sequences, stream_train_tokens
 from .errors import RunFailed
-from .evaluation.evaluate import AblationMemo, evaluate_sparse_layers, spliced_ce
+from .evaluation.evaluate import evaluate_sparse_layers, spliced_ce
+from .evaluation.shared_passes import AblationMemo
 from .evaluation.stacking import stacking_metrics
 from .preflight import RunPlan, plan_variants
 from .evaluation.reading import quality_verdict

@@ -69,7 +69,7 @@ def test_each_variant_equals_its_recipe_trained_alone(variants_run):
         solo = upcycle(recipe_from_dict({**alone, "output_dir": str(tmp_path / f"solo-{variant}")}), progress=False)
         _assert_same_weights(folder, solo)
         assert _losses(folder) == _losses(solo)
-        # The variants share their ablated eval forwards (evaluate.AblationMemo): the CE metrics stay exact.
+        # The variants share their ablated eval forwards (shared_passes.AblationMemo): the CE metrics stay exact.
         ce, ce_alone = (json.loads((f / "metrics.json").read_text())["ce"] for f in (folder, solo))
         assert ce == ce_alone
     # Not three copies of one run: the variants differ from each other.

@@ -16,7 +16,6 @@ Memory: sequences are processed `cfg.batch_sequences` at a time and only running
 """
 
 import contextlib
-import hashlib
 import math
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
@@ -26,8 +25,9 @@ from torch import nn
 
 from expertize.modeling import SparseLayer
 
-from ..data.capture import MlpCapture, kept_positions, replaced_mlps
+from ..data.capture import kept_positions, replaced_mlps
 from .code_probe import CodeProbe
+from .shared_passes import AblationMemo, base_pass, base_pass_bytes, memo_key
 from .health import InEffect, code_health
 from ..training.losses import kl_base_to_other, next_token_ce
 from .metrics import ReconstructionStats
@@ -156,53 +156,6 @@ class _CeSums:
         }
 
 
-BASE_MEMO_BYTES = 3 << 30
-"""The base forwards' results (logits and MLP pairs) an AblationMemo keeps for the next variant, at most."""
-
-
-class AblationMemo:
-    """What the evaluations of a recipe's variants share, per eval batch: the zero- and mean-ablated CE sums and the
-    base model's own forward (its logits and the target MLPs' inputs / outputs).
-
-    The ablated forwards replace the target MLPs by constants, and the base forward replaces nothing, so they depend
-    on the base model, the eval sequences, the layer indices and the mean outputs, not on the sparse layers: the
-    variants of a recipe (one stream, hence one training mean) compute them once instead of once each (three of the
-    four forwards of every eval batch). The base forwards are kept while they fit in BASE_MEMO_BYTES (a large
-    vocabulary's logits may not: those batches are recomputed). A different key (another base, sequences, layers or
-    means) starts over, so a stale value is never used. The values are the exact tensors and floats the evaluation
-    would compute again, used in the same order: results are bit-identical.
-    """
-
-    def __init__(self, share_base: bool = True) -> None:
-        self._key: tuple | None = None
-        self._sums: dict[tuple, object] = {}
-        self._bytes = 0
-        self.share_base = share_base
-        """Whether to keep the base forwards (False for one evaluation: nobody would read them again)."""
-
-    def value(self, key: tuple, item: tuple, compute, nbytes=None):
-        """The memoized `compute()` of `item`; `nbytes(value)`: its size, kept only while the memo stays under
-        BASE_MEMO_BYTES (None: always kept)."""
-        if key != self._key:
-            self._key, self._sums, self._bytes = key, {}, 0
-        if item in self._sums:
-            return self._sums[item]
-        value = compute()
-        size = 0 if nbytes is None else nbytes(value)
-        if self._bytes + size <= BASE_MEMO_BYTES:
-            self._sums[item] = value
-            self._bytes += size
-        return value
-
-
-def _memo_key(model: nn.Module, eval_sequences: torch.Tensor, indices: list[int], means, batch_sequences: int) -> tuple:
-    def digest(t: torch.Tensor) -> str:
-        return hashlib.sha1(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
-
-    mean_digests = None if means is None else tuple(digest(means[i].float()) for i in indices)
-    return (id(model), digest(eval_sequences), tuple(indices), mean_digests, batch_sequences)
-
-
 def _ce_sum(logits: torch.Tensor, input_ids: torch.Tensor) -> float:
     return float(next_token_ce(logits, input_ids).double().sum())
 
@@ -327,7 +280,7 @@ def evaluate_sparse_layers(
         positions = _Positions(exclude_token_ids)
         means = None if mean_outputs is None else {i: _ConstantMlp(mean_outputs[i].detach()) for i in indices}
         memo = ablation_memo or AblationMemo()
-        key = _memo_key(model, eval_sequences, indices, mean_outputs, cfg.batch_sequences)
+        key = memo_key(model, eval_sequences, indices, mean_outputs, cfg.batch_sequences)
 
         def ablated(item: tuple, mlps: Mapping[int, nn.Module], input_ids: torch.Tensor) -> float:
             def compute() -> float:
@@ -337,9 +290,9 @@ def evaluate_sparse_layers(
             return memo.value(key, item, compute)
 
         for b, input_ids in enumerate(_batches(model, eval_sequences, cfg.batch_sequences, progress, "eval")):
-            base_pass = (memo.value(key, ("base", b), lambda: _base_pass(model, input_ids, indices), _base_pass_bytes)
-                         if memo.share_base else _base_pass(model, input_ids, indices))
-            _reconstruction_and_ce(model, input_ids, base_pass, spliced, stats, firing, ce, spliced_model, positions,
+            passed = (memo.value(key, ("base", b), lambda: base_pass(model, input_ids, indices), base_pass_bytes)
+                      if memo.share_base else base_pass(model, input_ids, indices))
+            _reconstruction_and_ce(model, input_ids, passed, spliced, stats, firing, ce, spliced_model, positions,
                                    probes)
             ce.sums["zero_ablation"] += ablated(("zero", b), zeros, input_ids)
             if means is not None:
@@ -418,22 +371,10 @@ def _batches(
         yield sequences[start : start + batch_size].to(device)  # (B, L)
 
 
-def _base_pass(model: nn.Module, input_ids: torch.Tensor, indices: list[int]) -> tuple[dict, torch.Tensor]:
-    """One base forward: ({layer: (x, y)} the target MLPs' inputs / outputs, each (B*L, d); the logits (B, L, V))."""
-    capture = MlpCapture(model, indices, stop_early=False)
-    captured = capture(input_ids)
-    return captured, capture.last_logits
-
-
-def _base_pass_bytes(value: tuple[dict, torch.Tensor]) -> int:
-    captured, logits = value
-    return logits.nbytes + sum(x.nbytes + y.nbytes for x, y in captured.values())
-
-
 def _reconstruction_and_ce(
     model: nn.Module,
     input_ids: torch.Tensor,
-    base_pass: tuple[dict, torch.Tensor],
+    passed: tuple[dict, torch.Tensor],
     spliced: Mapping[int, _CastToLayer],
     stats: Mapping[int, ReconstructionStats],
     firing: Mapping[int, _UnitFiring],
@@ -442,10 +383,10 @@ def _reconstruction_and_ce(
     positions: "_Positions | None" = None,
     probes: Mapping[int, CodeProbe] | None = None,
 ) -> None:
-    """One batch: the base forward's (`base_pass`) MLP (x, y) pairs and base logits; then the spliced run (the
+    """One batch: the base forward's (`passed`) MLP (x, y) pairs and base logits; then the spliced run (the
     ablated runs are the caller's)."""
     positions = positions or _Positions(())
-    captured, base_logits = base_pass  # {layer: (x, y)}, each (B*L, d); (B, L, V)
+    captured, base_logits = passed  # {layer: (x, y)}, each (B*L, d); (B, L, V)
     keep = positions.keep(input_ids)  # (B*L,) bool or None: the positions the reconstruction metrics cover
     for i, (x, y) in captured.items():
         positions.add_outputs(i, y)  # every position: the mean ablation replaces the MLP everywhere
