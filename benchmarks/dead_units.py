@@ -14,7 +14,7 @@ Models (real trained networks only; `--models`):
                            ($SMOLLM2, $DOMAINS: ../shared/tools/get_smollm2.py, domain_corpora.py), trained from one
                            activation cache (--cache-dir; captured once, ~10 min); 8x transcoder budget
 Budgets: `--budgets small,large`, 4x apart (BUDGETS: quickstart 50,000 / 200,000 tokens (its shipped budget), tiny
-models 81,920 / 327,680, SmolLM2 65,536 / 262,144); 1,024 tokens per step, warm-up a tenth of the steps (the
+models 81,920 / 327,680, SmolLM2 131,072 / 262,144); 1,024 tokens per step, warm-up a tenth of the steps (the
 quickstart: its own 50 of 195, scaled), cosine to 0.1 lr, NMSE, fp32.
 Learning rates: `--lrs rule,rule/3`: the default rule's rate (`train.lr: auto`, conversion/recipe/lr_rule.py) and a
 3x lower one, or numbers.

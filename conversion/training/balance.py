@@ -28,7 +28,7 @@ The anneal (`train.balance_anneal: [start, end]`, default [0.5, 0.8] of the run'
 and the bias decays linearly to exactly 0 at `end`; the rest of the run trains plain top-K, and the saved model routes
 without a bias. Why: a held bias keeps choosing rarely-positive units at inference, displacing better ones on every
 token where they are positive at all — the floor's bias grew to 10-20x the mean selected score for 20-60 % of the
-units at lr 1e-2 (tiny-gpt2-shakespeare), and zeroing it after training alone cut the transcoder's FVU from 1.22x
+units at lr 1e-2 (tiny-gpt2-shakespeare), and zeroing it after training alone cut the transcoder's FVU from 1.15x
 to 1.04x that of no handling. Units the bias revived in the first half have learned a job by then and keep firing on
 their own scores (docs/results/dead_units.md: fewer dead units than no handling at no cost in FVU or KL). `null`:
 the bias is held to the end and saved (routing at inference uses it), as DeepSeek-V3 does.
