@@ -249,6 +249,54 @@ def test_duplicate_yaml_keys_are_rejected(tmp_path):
         load_recipe(write(tmp_path, text))
 
 
+def test_the_first_example_of_docs_recipes_md_parses(tmp_path):
+    # The page's own example, read from the page: ${VAR} inside a YAML flow list (`paths: [${EXPERTIZE_ASSETS}/...]`)
+    # used to be a YAML syntax error (its braces are flow syntax there).
+    page = (Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text(encoding="utf-8")
+    example = re.search(r"```yaml\n(.*?)```", page, re.S)[1]
+    assert "paths: [${EXPERTIZE_ASSETS}/" in example
+    recipe = load_recipe(write(tmp_path, example))
+    assets = Path(__file__).resolve().parents[1] / "expertize" / "assets"
+    assert recipe.data.paths == [str(assets / "tinyshakespeare.txt")]
+    assert recipe.base_model == str(assets / "tiny-gpt2-shakespeare")
+    assert recipe.layer.k == 16 and recipe.data.train_tokens == 200_000 and recipe.output_dir == "runs/quickstart"
+
+
+def test_variables_inside_flow_collections_and_overrides(tmp_path, monkeypatch):
+    monkeypatch.setenv("CORPORA", str(tmp_path))
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text("text\n")
+    text = yaml.safe_dump(minimal(), sort_keys=False).replace(
+        "data:\n  source: hub\n  name: Skylion007/openwebtext\n",
+        "data: {source: text, paths: [${CORPORA}/a.txt, ${CORPORA}/b.txt]}\n",
+    )
+    assert load_recipe(write(tmp_path, text)).data.paths == [f"{tmp_path}/a.txt", f"{tmp_path}/b.txt"]
+    recipe = recipe_from_dict(minimal(), ["data={source: text, paths: [${CORPORA}/a.txt]}",
+                                          "data.paths=[${CORPORA}/b.txt]"])
+    assert recipe.data.paths == [f"{tmp_path}/b.txt"]
+    # Quoted, and in a block list, as before; an error message shows the ${VAR} as written.
+    assert recipe_from_dict(minimal(), ['data={source: text, paths: ["${CORPORA}/a.txt"]}']).data.paths == [
+        f"{tmp_path}/a.txt"]
+    with pytest.raises(RecipeError, match=r"(?s)not valid YAML: .*\[\$\{CORPORA\}/a\.txt"):
+        recipe_from_dict(minimal(), ["data.paths=[${CORPORA}/a.txt"])
+
+
+def test_yaml_merge_keys(tmp_path):
+    # A sweep's variants share a layer section through an anchor and a merge key; their own keys win.
+    text = yaml.safe_dump(minimal(), sort_keys=False).replace(
+        "layer:\n  kind: mxd\n  k: 32\n  match_transcoder: 32\n",
+        "layer: &base\n  kind: mxd\n  k: 32\n  match_transcoder: 32\n",
+    ) + "variants:\n  - {name: k8, layer: {<<: *base, k: 8}}\n  - name: k16\n    layer:\n      <<: *base\n      k: 16\n"
+    recipe = load_recipe(write(tmp_path, text))
+    assert [(v.name, v.layer) for v in recipe.variants] == [
+        ("k8", {"kind": "mxd", "k": 8, "match_transcoder": 32}),
+        ("k16", {"kind": "mxd", "k": 16, "match_transcoder": 32}),
+    ]
+    # A key repeated in the mapping itself is still a duplicate (not one overriding a merged key).
+    with pytest.raises(RecipeError, match=r"duplicate key 'k' \(first at line"):
+        load_recipe(write(tmp_path, text.replace("{<<: *base, k: 8}", "{<<: *base, k: 8, k: 4}")))
+
+
 def test_empty_and_commented_out_sections(tmp_path):
     with pytest.raises(RecipeError, match="the recipe is empty"):
         load_recipe(write(tmp_path, "# nothing yet\n"))
