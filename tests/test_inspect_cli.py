@@ -153,6 +153,8 @@ def test_errors_are_one_line_with_exit_2(model_dir, tmp_path, capsys):
          "corpus 'e' (" + str(empty) + ") is empty"),
         (["inspect", str(model_dir), "--corpus", f"x={tmp_path / 'missing.txt'}", "--output", str(tmp_path / "o")],
          "no such file"),
+        (["inspect", str(model_dir), "--corpus", f"x={model_dir}", "--output", str(tmp_path / "o")],
+         f"--corpus x: {str(model_dir)!r} is a directory, not a file (it holds "),
         (["inspect", str(model_dir), "--output", str(tmp_path / "o")], "give --corpus NAME=PATH"),
         (["inspect", str(model_dir), "--corpus", str(model_dir.parent / "a.txt"), "--layers", "5",
           "--output", str(tmp_path / "o")], "layer(s) [5] are not sparse layers"),

@@ -190,6 +190,9 @@ def test_key_in_the_wrong_section_is_pointed_to_its_section(tmp_path):
         ("data", {"source": "hub", "name": 7}, r"data\.name: expected a string or null, got 7 \(int\)"),
         ("layers", 8, r"layers: expected a list of integers or 'all', got 8 \(int\); for a single item write \[8\]"),
         ("layers", [1, "two"], r"layers\[1\]: expected an integer, got 'two' \(str\)"),
+        # A word is not suggested as a one-item list of integers ([ALL]); the word it misspells is.
+        ("layers", "ALL", r"layers: .*got 'ALL' \(str\) \(did you mean 'all'\? it is written in lower case\)$"),
+        ("layers", "al", r"layers: .*got 'al' \(str\) \(did you mean 'all'\?\)$"),
         ("train", "fast", r"train: expected a section \(a mapping of keys\), got 'fast'"),
     ],
 )

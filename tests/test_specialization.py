@@ -239,6 +239,8 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     cases = [
         ([str(model_dir), "--corpus", f"a={corpus}"], "at least two domain corpora"),
         ([str(model_dir), "--corpus", f"a={corpus}", "--corpus", f"b={tmp_path / 'none.txt'}"], "no such file"),
+        ([str(model_dir), "--corpus", f"a={corpus}", "--corpus", f"b={tmp_path}"],
+         f"--corpus b: {str(tmp_path)!r} is a directory, not a file (it holds a.txt"),
         ([str(tmp_path), "--corpus", f"a={corpus}", "--corpus", f"b={corpus}"], "config.json"),
         ([str(model_dir), "--corpus", f"a={corpus}", "--corpus", f"b={corpus}", "--eval-fraction", "1.5"],
          "between 0 and 1"),
