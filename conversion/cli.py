@@ -131,9 +131,10 @@ def _push(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from .checks import check_output_location, model_positions, resolve_device
     from .inspection import (
-        InspectionError, export_delphi, format_prompt_view, inspect_folder, load_for_inspection,
-        parse_corpora, prompt_ids, prompt_view, report_bytes, token_texts,
+        InspectionError, format_prompt_view, inspect_folder, load_for_inspection, parse_corpora, prompt_ids,
+        prompt_view, report_bytes, token_texts,
     )
+    from .inspection.output import ReportFolder, model_identity
 
     device = resolve_device(args.device, "--device")
     if args.prompt is not None:
@@ -146,16 +147,15 @@ def _inspect(args: argparse.Namespace) -> int:
     settings = inspection_settings(args)
     corpora = parse_corpora(args.corpus)
     check_output_location(args.output, what="--output", need_bytes=report_bytes(args.model_dir, settings))
-    stats = inspect_folder(
-        args.model_dir, corpora, settings, device=device,
-        progress=None if args.no_progress else _inspect_progress,
-    )
-    if not args.no_progress:
-        print(file=sys.stderr)
-    written = stats.write(args.output)
-    if args.export == "delphi":
-        export_delphi(stats, os.path.join(args.output, "delphi_cache"))
-        written.append(os.path.join(args.output, "delphi_cache"))
+    # The folder is claimed before the pass (another model's report, a second inspect of it: refused up front).
+    with ReportFolder(args.output, model_identity(args.model_dir), overwrite=args.overwrite).claimed() as folder:
+        stats = inspect_folder(
+            args.model_dir, corpora, settings, device=device,
+            progress=None if args.no_progress else _inspect_progress,
+        )
+        if not args.no_progress:
+            print(file=sys.stderr)
+        written = folder.publish(stats.files_writer(delphi=args.export == "delphi"))
     for layer, ls in sorted(stats.layers.items()):
         dead = int((ls.counts == 0).sum())
         print(f"layer {layer} ({ls.kind}): {ls.num_units:,} units, {dead:,} dead over {stats.tokens:,} tokens")
@@ -212,6 +212,9 @@ def _inspect_flags(ins) -> None:
     setting_flag(ins, S, "batch_size", type=positive_int, help="sequences per forward pass")
     ins.add_argument("--device", default="cpu", help="auto, cpu, cuda, cuda:N, mps (default cpu)")
     ins.add_argument("--export", choices=["delphi"], help="also write a delphi latent cache to DIR/delphi_cache")
+    ins.add_argument("--overwrite", action="store_true",
+                     help="replace the report of another model in --output (a report of the same model is always "
+                     "replaced; a folder that is not a report is never written into)")
     ins.add_argument("--no-progress", action="store_true", help="no progress line")
 
 

@@ -41,7 +41,7 @@ def _inspect(model_dir, tmp_path, *extra):
 
 def test_cli_writes_valid_reports_and_a_self_contained_explorer(model_dir, tmp_path, capsys):
     out = _inspect(model_dir, tmp_path)
-    assert sorted(p.name for p in out.iterdir()) == ["index.html", "layer_0.json", "layer_1.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["index.html", "inspect.json", "layer_0.json", "layer_1.json"]
     jsonschema = pytest.importorskip("jsonschema")
     for layer in (0, 1):
         report = json.loads((out / f"layer_{layer}.json").read_text(encoding="utf-8"))
