@@ -57,7 +57,8 @@ LOSS_PLOT = "loss.png"
 
 def upcycle(recipe: Recipe, *, progress: bool = True, restart: bool = False, log: Log | None = None) -> Path:
     """Run the whole pipeline for `recipe`; returns the output folder (with variants: the folder holding theirs).
-    Resumes an interrupted run of the same recipe in place; `restart=True` discards an unfinished run first (with
+    Resumes an interrupted run of the same recipe in place; a finished run of the same recipe is returned as it is
+    (nothing is trained; a different recipe's is refused); `restart=True` discards an unfinished run first (with
     variants: the unfinished variants; finished ones are kept and skipped). `log` receives one-line status
     messages."""
     say = log or (lambda message: None)
@@ -74,6 +75,16 @@ def upcycle(recipe: Recipe, *, progress: bool = True, restart: bool = False, log
                 write_variants_table(recipe.output_dir, [v.name for v in recipe.variants])
             return Path(recipe.output_dir)
     else:
+        if guard.is_finished and not restart:
+            changed = guard.finished_recipe_differs(recipe_to_dict(recipe))
+            if not changed:  # a rerun of a finished run (a notebook cell run twice): its folder, as for variants
+                say(f"{guard.root} holds this recipe's finished run; nothing to train (to train again, choose another "
+                    "output_dir or delete that folder)")
+                return guard.root
+            raise RunFolderTaken(
+                f"{guard.root} holds a finished run of a different recipe (differs at {'; '.join(changed)}); choose "
+                f"another output_dir, or delete {guard.root} if you no longer need that model"
+            )
         guard.check_claimable(recipe_to_dict(recipe), restart=restart)  # output_dir problems first: the cheapest
         runs = [(recipe, guard)]
     plans = plan_variants([r for r, _ in runs], world_size=world_size())

@@ -53,8 +53,18 @@ def test_upcycle_writes_a_publishable_folder(tiny_run):
     )
     assert json.loads(out_json.strip().splitlines()[-1]) == ["MxdLayer", "MxdLayer"]
 
-    with pytest.raises(FileExistsError, match="already holds a finished run"):
-        upcycle(recipe_from_dict(tree), progress=False)
+    # Run again (a notebook cell run twice, or the same command): the finished folder, untouched; before, the rerun
+    # raised RunFolderTaken. Another recipe into it is refused, naming what differs.
+    stamp = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    messages = []
+    assert upcycle(recipe_from_dict(tree), progress=False, log=messages.append) == out
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamp
+    assert messages == [f"{out} holds this recipe's finished run; nothing to train (to train again, choose another "
+                        "output_dir or delete that folder)"]
+    with pytest.raises(FileExistsError, match=r"holds a finished run of a different recipe \(differs at train\.lr \("):
+        upcycle(recipe_from_dict(tree, ["train.lr=0.5"]), progress=False)
+    with pytest.raises(FileExistsError, match="already holds a finished run .*--restart only discards unfinished"):
+        upcycle(recipe_from_dict(tree), progress=False, restart=True)
 
 
 def _write_recipe(tmp_path: Path, tree: dict, name: str) -> Path:
