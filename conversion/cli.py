@@ -106,7 +106,7 @@ def _plot_sweep(args: argparse.Namespace) -> int:
     from .evaluation.sweep import plot_sweep
 
     check_output_location(args.output, what="--output", file=True)  # its folders are created (as documented)
-    path = plot_sweep(args.model_dirs, args.metric, args.output, x=args.x)
+    path = plot_sweep(args.model_dirs, args.metric, args.output, x=args.x, base=not args.no_base)
     print(f"expertize: wrote {path} and {path.with_suffix('.json')}")
     return 0
 
@@ -416,12 +416,14 @@ def _add_plot_sweep(sub) -> None:
     ps = sub.add_parser(
         "plot-sweep",
         help="plot a metric against K (or active parameters) per method over model folders",
-        description="One line per method (layer kind) through the folders' points, the base model as a dashed line. "
-        f"METRIC: {_metric_help()}.",
+        description="One line per method (layer kind) through the folders' points, the base model as a dashed line "
+        "(--no-base: none). Folders evaluated on different budgets (eval tokens, lm-eval --limit) are plotted as "
+        f"separate evaluations, each with its own marker and base line. METRIC: {_metric_help()}.",
     )
     ps.add_argument("model_dirs", nargs="+", help="folders written by `expertize upcycle`")
     ps.add_argument("--metric", required=True)
     ps.add_argument("--x", default="k", choices=["k", "active_parameters"], help="x axis (default k)")
+    ps.add_argument("--no-base", action="store_true", help="leave the base model's dashed line out")
     ps.add_argument("--output", default="sweep.png",
                     help="PNG path; missing folders are created (the points go to the same name .json)")
     ps.set_defaults(func=_plot_sweep)

@@ -622,8 +622,8 @@ def test_preflight_plans_the_recipes_distill_steps(tiny_run):
 
 def test_kind_switch_from_the_command_line_resets_k_with_null():
     tree = minimal(layer={"kind": "mxd", "k": 8, "match_transcoder": 8})
-    expected = (r"layer\.k=8 does not apply to layer\.kind='mumoe_cp'; remove it from the recipe or override it "
-                r"with --set layer\.k=null \(it applies to kinds: ")
+    expected = (r"layer\.k=8 does not apply to layer\.kind='mumoe_cp' \(it applies to kinds: .*\); remove it from the "
+                r"recipe, or switch kinds on the command line with --set layer\.kind=mumoe_cp --set layer\.k=null$")
     with pytest.raises(RecipeError, match=expected):
         recipe_from_dict(tree, ["layer.kind=mumoe_cp", "layer.num_experts=16"])
     recipe = recipe_from_dict(tree, ["layer.kind=mumoe_cp", "layer.k=null", "layer.num_experts=16"])
@@ -632,6 +632,25 @@ def test_kind_switch_from_the_command_line_resets_k_with_null():
     assert spec.kind == "mumoe_cp" and spec.num_experts == 16 and spec.rank >= 1
     # On a key that takes null, null stays a value.
     assert recipe_from_dict(minimal(base_revision="main"), ["base_revision=null"]).base_revision is None
+
+
+def test_switching_the_quickstart_to_mumoe_cp_takes_the_overrides_the_error_names():
+    """`--set layer.k=null` alone was not enough (μMoE also needs its expert count) and the two errors came one at a
+    time; the first now names every override, and those overrides, as docs/recipes.md gives them, load and size."""
+    with pytest.raises(RecipeError) as info:
+        load_recipe("quickstart", ["layer.kind=mumoe_cp"])
+    switch = re.search(r"switch kinds on the command line with (.*?) \(", str(info.value))[1]
+    assert switch == "--set layer.kind=mumoe_cp --set layer.k=null --set layer.num_experts=N"
+    overrides = [part.replace("=N", "=256") for part in switch.split("--set ")[1:]]
+    recipe = load_recipe("quickstart", [o.strip() for o in overrides])
+    spec = resolve_layer_spec(recipe.layer, BASE_MODELS["tiny-gpt2-shakespeare"][0])
+    assert (spec.kind, spec.num_experts) == ("mumoe_cp", 256) and spec.rank >= 1
+    page = (RECIPES.parent / "docs" / "recipes.md").read_text(encoding="utf-8")
+    assert "`--set layer.kind=mumoe_cp --set layer.k=null --set layer.num_experts=256`" in page
+    with pytest.raises(RecipeError, match=r"layer\.num_experts is required: layer\.match_transcoder sizes the rank of "
+                                          r"layer\.kind='mumoe_cp', not its expert count; set it, e\.g\. --set "
+                                          r"layer\.num_experts=256$"):
+        load_recipe("quickstart", ["layer.kind=mumoe_cp", "layer.k=null"])
 
 
 def test_bundled_recipes_by_name(data_dir, tmp_path, monkeypatch):
