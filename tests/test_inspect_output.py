@@ -53,8 +53,8 @@ def test_another_models_report_is_refused_and_replaced_only_with_overwrite(model
     capsys.readouterr()
     assert main(_argv(b, corpus, out)) == 2  # before: exit 0, and A's layer_1.json stayed beside B's report
     err = capsys.readouterr().err.strip()
-    assert err == (f"expertize inspect: error: {out} holds the inspect report of another model ({os.path.realpath(a)}); "
-                   "choose another --output, or pass --overwrite to replace that report")
+    assert err == (f"expertize inspect: error: {out} holds the inspect report of another model "
+                   f"({os.path.realpath(a)}); choose another --output, or pass --overwrite to replace that report")
     assert _files(out) == before  # untouched
     assert main(_argv(b, corpus, out, "--overwrite")) == 0
     assert sorted(_files(out)) == ["index.html", "inspect.json", "layer_0.json"]  # A's layer_1.json is gone
@@ -82,7 +82,8 @@ def test_a_folder_that_is_not_a_report_is_never_written_into(models, tmp_path, c
     mine.mkdir()
     (mine / "thesis.tex").write_text("x")
     cases.append((mine, "exists and is not an inspect report folder (it holds thesis.tex); choose another --output"))
-    cases.append((a, f"{a} is a model folder; write the report into a folder of its own, e.g. --output {a / 'inspect'}"))
+    cases.append((a, f"{a} is a model folder; write the report into a folder of its own, e.g. --output "
+                     f"{a / 'inspect'}"))
     old = tmp_path / "old"  # a report written before reports recorded their model
     old.mkdir()
     (old / "layer_0.json").write_text("{}")

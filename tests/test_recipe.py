@@ -289,7 +289,8 @@ def test_yaml_merge_keys(tmp_path):
     text = yaml.safe_dump(minimal(), sort_keys=False).replace(
         "layer:\n  kind: mxd\n  k: 32\n  match_transcoder: 32\n",
         "layer: &base\n  kind: mxd\n  k: 32\n  match_transcoder: 32\n",
-    ) + "variants:\n  - {name: k8, layer: {<<: *base, k: 8}}\n  - name: k16\n    layer:\n      <<: *base\n      k: 16\n"
+    ) + ("variants:\n  - {name: k8, layer: {<<: *base, k: 8}}\n"
+         "  - name: k16\n    layer:\n      <<: *base\n      k: 16\n")
     recipe = load_recipe(write(tmp_path, text))
     assert [(v.name, v.layer) for v in recipe.variants] == [
         ("k8", {"kind": "mxd", "k": 8, "match_transcoder": 32}),

@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         "code": (code_documents(site), f"{site} ({', '.join(CODE_PACKAGES)})"),
         "docs": (docs_documents(site), f"{site}/*.dist-info/METADATA"),
         "wiki": (wiki, wiki_source),
-        "literature": (blocks((ASSETS / "tinyshakespeare.txt").read_text(), 2000), "expertize/assets/tinyshakespeare.txt"),
+        "literature": (blocks((ASSETS / "tinyshakespeare.txt").read_text(), 2000),
+                       "expertize/assets/tinyshakespeare.txt"),
         "stories": (stories, stories_source),
     }
     for name, (texts, source) in domains.items():

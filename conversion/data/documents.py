@@ -148,7 +148,9 @@ def file_format(path: str, source: str = "text", key: str = "data.paths") -> str
     return named  # the default source: the file's own format
 
 
-def corpus_config(path: str, context_length: int = 128, separator: str = "auto", key: str = "data.paths") -> DataConfig:
+def corpus_config(
+    path: str, context_length: int = 128, separator: str = "auto", key: str = "data.paths"
+) -> DataConfig:
     """The data section that reads one named corpus file as every command does: its format from its name
     (`file_format`); a text file's documents are lines, or blank-line blocks when `separator` is "auto" and the
     file has blocks of several lines (a play's speeches, poems) — detected from its first MiB — or as `separator`
@@ -197,8 +199,8 @@ def iter_documents(cfg: DataConfig, key: str = "data.paths") -> Iterator[str]:
             ) from e
         except (OSError, EOFError) as e:  # EOFError: a truncated .gz / .bz2 / .xz file
             raise DataError(
-                f"{key}: cannot read {path!r} ({getattr(e, 'strerror', None) or e}); check that it exists, is readable "
-                "and, if compressed, is complete"
+                f"{key}: cannot read {path!r} ({getattr(e, 'strerror', None) or e}); check that it exists, is "
+                "readable and, if compressed, is complete"
             ) from e
 
 

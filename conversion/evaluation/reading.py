@@ -51,7 +51,8 @@ def reading_lines(metrics: Metrics) -> list[str]:
             )
         if layer.dead_fraction is not None:
             out.append(
-                f"layer {index}: {layer.dead_fraction * 100:.3g} % dead is {_grade('dead', layer.dead_fraction)}: units that "
+                f"layer {index}: {layer.dead_fraction * 100:.3g} % dead is {_grade('dead', layer.dead_fraction)}: "
+                f"units that "
                 f"never fired on the held-out text are parameters wasted (a few % is healthy, poor > "
                 f"{GRADES['dead'][1]:.0%}, the health warning's bound); train.balance (default floor) and more "
                 f"data.train_tokens revive them (docs/dead_units.md)"
