@@ -2,6 +2,8 @@
 per-prompt view, the delphi cache export, and one-line errors (exit 2) for bad folders and empty corpora."""
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -169,3 +171,18 @@ def test_errors_are_one_line_with_exit_2(model_dir, tmp_path, capsys):
         assert err.startswith("expertize inspect: error: ") and message in err, err
         assert "\n" not in err, err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow  # trains the quickstart at its full budget (18 s on 2 CPU cores)
+def test_the_prompt_example_of_docs_inspect_md_is_what_the_quickstart_prints(tmp_path, capsys):
+    """The page's `--prompt` lines are the command's output on `expertize upcycle quickstart` (they were stale)."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "inspect.md").read_text(encoding="utf-8")
+    example = re.search(
+        r"^\$ expertize inspect runs/quickstart --prompt \"(.*?)\" --per-token (\d+)\n(.*?)\n   \.\.\.", page, re.S | re.M
+    )
+    prompt, per_token, shown = example[1], example[2], example[3].splitlines()
+    out = tmp_path / "quickstart"
+    assert main(["upcycle", "quickstart", "--no-progress", "--set", f"output_dir={out}"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(out), "--prompt", prompt, "--per-token", per_token]) == 0
+    assert capsys.readouterr().out.splitlines()[: len(shown)] == shown
