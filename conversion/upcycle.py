@@ -30,6 +30,7 @@ from expertize.modeling import SparseLayer, build_sparse_layer
 from .data.activations import ActivationBatches
 from .data.cache import cached_batches, open_matching_cache
 from .data.capture import MlpCapture, excluded_token_ids
+from .data.separators import check_separators
 from .data.text import iter_sequences, load_eval_sequences, stream_train_tokens
 from .errors import RunFailed
 from .evaluation.evaluate import AblationMemo, evaluate_sparse_layers, spliced_ce
@@ -174,6 +175,8 @@ class Trained:
 
 def _run(plans: list[RunPlan], folders: list[RunFolder], accelerator, *, progress: bool, say: Log) -> None:
     base = load_base(plans[0], accelerator.device)
+    if accelerator.is_main_process:  # before training: does the base read the text as the data section reads it?
+        check_separators(plans[0].recipe.data, plans[0].tokenizer, base, say)
     trained = []
     for plan in plans:
         torch.manual_seed(plan.recipe.train.seed)  # each variant is built as it would be alone
