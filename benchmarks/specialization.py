@@ -1,14 +1,14 @@
 """Do the experts specialize? Every kind on one table: faithfulness beside domain masking, sparse probing, steering,
 every figure with its confidence interval, the headline rows repeated over seeds.
 
-One MLP of a real multi-domain model (SmolLM2-135M-Instruct, made by shared/tools/get_smollm2.py) is replaced by
+One MLP of a real multi-domain model (SmolLM2-135M-Instruct, made by benchmarks/data/get_smollm2.py) is replaced by
 each kind. Per seed, all kinds are variants of ONE recipe (`variants:`, one per kind, each a complete model folder
 RUNS/seed<S>/runs/KIND; benchmarks/_runs.run_variants) trained from ONE activation cache (`expertize capture`,
 docs/capture.md: the base model runs once per seed; a rerun with --runs-dir, more kinds or another --lr
 reuses the cache), with the same tokens in the same order and the same optimizer settings. Each variant's `layer:`
 section names its kind (sizes as benchmarks/all_kinds.py: every kind parameter-matched to a TopK transcoder with
 F·d_in latents, F = --match-transcoder; per-kind settings all_kinds.KIND_SETTINGS). Data: named domain corpora
-(DIR/{code,docs,wiki,literature,stories}.jsonl, made by shared/tools/domain_corpora.py).
+(DIR/{code,docs,wiki,literature,stories}.jsonl, made by benchmarks/data/domain_corpora.py).
 
 Seeds (--seeds, default 0,1,2): each seed is a different document split (seeded hash), a different training order
 and initialization (data.seed = train.seed = the seed) and different random controls. The summary table gives each
@@ -409,7 +409,7 @@ def main() -> int:
         print(f"error: --domains {args.domains} must hold >= 2 NAME.jsonl corpora (missing: {missing or 'none'}; "
               f"found {len(names) - len(missing)}), --kinds must come from {list(KIND_SETTINGS)} (unknown: "
               f"{bad or 'none'}) and --seeds must name at least one seed; write the corpora with "
-              "shared/tools/domain_corpora.py DIR", file=sys.stderr)
+              "benchmarks/data/domain_corpora.py DIR", file=sys.stderr)
         return 2
     root = Path(args.runs_dir) if args.runs_dir else Path(tempfile.mkdtemp(prefix="expertize-specialize-"))
     root.mkdir(parents=True, exist_ok=True)

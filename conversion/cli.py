@@ -108,7 +108,7 @@ def _plot_sweep(args: argparse.Namespace) -> int:
     from .evaluation.sweep import plot_sweep
 
     check_output_location(args.output, what="--output", file=True)  # its folders are created (as documented)
-    path = plot_sweep(args.model_dirs, args.metric, args.output, x=args.x)
+    path = plot_sweep(args.model_dirs, args.metric, args.output, x=args.x, base=not args.no_base)
     print(f"expertize: wrote {path} and {path.with_suffix('.json')}")
     return 0
 
@@ -150,6 +150,7 @@ def _inspect(args: argparse.Namespace) -> int:
         InspectionError, format_prompt_view, inspect_folder, load_for_inspection, parse_corpora, prompt_ids,
         prompt_view, report_bytes, token_texts,
     )
+    from .inspection.output import ReportFolder, model_identity
 
     device = resolve_device(args.device, "--device")
     if args.prompt is not None:
@@ -162,25 +163,25 @@ def _inspect(args: argparse.Namespace) -> int:
     settings = inspection_settings(args)
     corpora = parse_corpora(args.corpus)
     check_output_location(args.output, what="--output", need_bytes=report_bytes(args.model_dir, settings))
-    if args.export == "delphi":
-        from .export.delphi import export_delphi
-        from .export.folder import base_model_name
-
-        model_name = base_model_name(args.model_dir, args.base_model)  # refused before the pass, not after it
-    stats = inspect_folder(
-        args.model_dir, corpora, settings, device=device,
-        progress=None if args.no_progress else _inspect_progress,
-    )
-    if not args.no_progress:
-        print(file=sys.stderr)
-    written = stats.write(args.output)
+    delphi = None
     if args.export == "delphi":
         import json
         from pathlib import Path
 
+        from .export.folder import base_model_name
+
         model_type = json.loads(Path(args.model_dir, "config.json").read_text(encoding="utf-8"))["model_type"]
-        export_delphi(stats, os.path.join(args.output, "delphi_cache"), model_name=model_name, model_type=model_type)
-        written.append(os.path.join(args.output, "delphi_cache"))
+        # the base's name is refused before the pass, not after it
+        delphi = {"model_name": base_model_name(args.model_dir, args.base_model), "model_type": model_type}
+    # The folder is claimed before the pass (another model's report, a second inspect of it: refused up front).
+    with ReportFolder(args.output, model_identity(args.model_dir), overwrite=args.overwrite).claimed() as folder:
+        stats = inspect_folder(
+            args.model_dir, corpora, settings, device=device,
+            progress=None if args.no_progress else _inspect_progress,
+        )
+        if not args.no_progress:
+            print(file=sys.stderr)
+        written = folder.publish(stats.files_writer(delphi=delphi))
     for layer, ls in sorted(stats.layers.items()):
         dead = int((ls.counts == 0).sum())
         print(f"layer {layer} ({ls.kind}): {ls.num_units:,} units, {dead:,} dead over {stats.tokens:,} tokens")
@@ -232,6 +233,9 @@ def _inspect_flags(ins) -> None:
     ins.add_argument("--export", choices=["delphi"], help="also write a delphi latent cache to DIR/delphi_cache")
     ins.add_argument("--base-model", help="--export delphi: the base model's Hub id or folder, the cache's "
                      "model_name (default: the one the folder records)")
+    ins.add_argument("--overwrite", action="store_true",
+                     help="replace the report of another model in --output (a report of the same model is always "
+                     "replaced; a folder that is not a report is never written into)")
     ins.add_argument("--no-progress", action="store_true", help="no progress line")
 
 
@@ -433,12 +437,14 @@ def _add_plot_sweep(sub) -> None:
     ps = sub.add_parser(
         "plot-sweep",
         help="plot a metric against K (or active parameters) per method over model folders",
-        description="One line per method (layer kind) through the folders' points, the base model as a dashed line. "
-        f"METRIC: {_metric_help()}.",
+        description="One line per method (layer kind) through the folders' points, the base model as a dashed line "
+        "(--no-base: none). Folders evaluated on different budgets (eval tokens, lm-eval --limit) are plotted as "
+        f"separate evaluations, each with its own marker and base line. METRIC: {_metric_help()}.",
     )
     ps.add_argument("model_dirs", nargs="+", help="folders written by `expertize upcycle`")
     ps.add_argument("--metric", required=True)
     ps.add_argument("--x", default="k", choices=["k", "active_parameters"], help="x axis (default k)")
+    ps.add_argument("--no-base", action="store_true", help="leave the base model's dashed line out")
     ps.add_argument("--output", default="sweep.png",
                     help="PNG path; missing folders are created (the points go to the same name .json)")
     ps.set_defaults(func=_plot_sweep)

@@ -30,6 +30,7 @@ from expertize.modeling import SparseLayer, build_sparse_layer
 from .data.activations import ActivationBatches
 from .data.cache import cached_batches, open_matching_cache
 from .data.capture import MlpCapture, excluded_token_ids
+from .data.separators import check_separators
 from .data.text import iter_sequences, load_eval_sequences, stream_train_tokens
 from .errors import RunFailed
 from .evaluation.evaluate import evaluate_sparse_layers, spliced_ce
@@ -60,7 +61,8 @@ LOSS_PLOT = "loss.png"
 
 def upcycle(recipe: Recipe, *, progress: bool = True, restart: bool = False, log: Log | None = None) -> Path:
     """Run the whole pipeline for `recipe`; returns the output folder (with variants: the folder holding theirs).
-    Resumes an interrupted run of the same recipe in place; `restart=True` discards an unfinished run first (with
+    Resumes an interrupted run of the same recipe in place; a finished run of the same recipe is returned as it is
+    (nothing is trained; a different recipe's is refused); `restart=True` discards an unfinished run first (with
     variants: the unfinished variants; finished ones are kept and skipped). `log` receives one-line status
     messages."""
     say = log or (lambda message: None)
@@ -77,6 +79,16 @@ def upcycle(recipe: Recipe, *, progress: bool = True, restart: bool = False, log
                 write_variants_table(recipe.output_dir, [v.name for v in recipe.variants])
             return Path(recipe.output_dir)
     else:
+        if guard.is_finished and not restart:
+            changed = guard.finished_recipe_differs(recipe_to_dict(recipe))
+            if not changed:  # a rerun of a finished run (a notebook cell run twice): its folder, as for variants
+                say(f"{guard.root} holds this recipe's finished run; nothing to train (to train again, choose another "
+                    "output_dir or delete that folder)")
+                return guard.root
+            raise RunFolderTaken(
+                f"{guard.root} holds a finished run of a different recipe (differs at {'; '.join(changed)}); choose "
+                f"another output_dir, or delete {guard.root} if you no longer need that model"
+            )
         guard.check_claimable(recipe_to_dict(recipe), restart=restart)  # output_dir problems first: the cheapest
         runs = [(recipe, guard)]
     plans = plan_variants([r for r, _ in runs], world_size=world_size())
@@ -168,6 +180,8 @@ class Trained:
 
 def _run(plans: list[RunPlan], folders: list[RunFolder], accelerator, *, progress: bool, say: Log) -> None:
     base = load_base(plans[0], accelerator.device)
+    if accelerator.is_main_process:  # before training: does the base read the text as the data section reads it?
+        check_separators(plans[0].recipe.data, plans[0].tokenizer, base, say)
     trained = []
     for plan in plans:
         torch.manual_seed(plan.recipe.train.seed)  # each variant is built as it would be alone

@@ -8,6 +8,8 @@ each command, imported on first use, so `import expertize` stays light (no torch
     evaluate_model_folder(dir, HarnessSettings)  write_tasks_from_text(text, ...)   plot_sweep(dirs, metric, png)
     inspect_folder(dir, corpora, InspectionSettings)   specialize_folder(dir, corpora, SpecializationSettings)
     push_model(dir, repo_id)                     splice(base, {layer: sparse}) / save_model(model, dir)
+    load_model(dir) -> (model, tokenizer)        text_codes(model, tokenizer, text) -> TextCodes
+    decode(model, layer, code, x) -> the layer's output for a (possibly edited) code
 """
 
 __version__ = "0.1.0"
@@ -28,6 +30,10 @@ _FRONT_DOOR = {
     "push_model": "expertize.conversion.publishing.push",
     "splice": "expertize.conversion.surgery.splice",
     "save_model": "expertize.conversion.surgery.splice",
+    "load_model": "expertize.conversion.inspection.codes",
+    "text_codes": "expertize.conversion.inspection.codes",
+    "TextCodes": "expertize.conversion.inspection.codes",
+    "decode": "expertize.conversion.inspection.codes",
 }
 """Name -> the module that defines it (each imported on first access, PEP 562)."""
 
@@ -40,6 +46,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load lazi
     from expertize.conversion.harness.folder_eval import evaluate_model_folder
     from expertize.conversion.harness.offline_tasks import write_tasks_from_text
     from expertize.conversion.harness.runner import HarnessSettings
+    from expertize.conversion.inspection.codes import TextCodes, decode, load_model, text_codes
     from expertize.conversion.inspection import InspectionSettings, inspect_folder
     from expertize.conversion.publishing.push import push_model
     from expertize.conversion.recipe import Recipe, load_recipe

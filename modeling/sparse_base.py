@@ -270,6 +270,9 @@ class SparseLayer(nn.Module):
         # Interventions are run-time state, never saved: plain attributes, not buffers.
         self._steering: dict[int, float] = {}
         self._ablated: frozenset[int] = frozenset()
+        # The same at chosen positions only: {(unit, positions): value} and {positions: units}.
+        self._steering_at: dict[tuple[int, tuple[int, ...]], float] = {}
+        self._ablated_at: dict[tuple[int, ...], frozenset[int]] = {}
         # Side channel for routed layers (transformers' MoEs record router logits from their router module; a
         # swapped `.mlp` is invisible to that machinery, so the model collects these after the forward instead).
         self.router_logits: torch.Tensor | None = None
@@ -484,34 +487,64 @@ class SparseLayer(nn.Module):
             raise ValueError(f"unit id(s) {bad} out of range: this layer has {self.num_units} units (0..{self.num_units - 1})")
         return units
 
-    def steer(self, unit: int, value: float) -> None:
-        """Add `value` to unit `unit`'s coefficient after TopK at every position (the MxD paper's `a_n += λ`)."""
-        (unit,) = self._check_units([unit])
-        self._steering[unit] = self._steering.get(unit, 0.0) + float(value)
+    @staticmethod
+    def _check_positions(positions: Iterable[int] | None) -> tuple[int, ...] | None:
+        if positions is None:
+            return None
+        if isinstance(positions, int):
+            positions = [positions]
+        checked = tuple(sorted({int(p) for p in positions}))
+        if not checked:
+            raise ValueError("positions is empty; give token positions (e.g. [0, -1]) or None for every position")
+        return checked
 
-    def ablate(self, units: Iterable[int]) -> None:
-        """Zero the coefficients of `units` after TopK (the other selected units keep theirs)."""
-        self._ablated = self._ablated | frozenset(self._check_units(units))
+    def steer(self, unit: int, value: float, positions: Iterable[int] | None = None) -> None:
+        """Add `value` to unit `unit`'s coefficient after TopK (the MxD paper's `a_n += λ`) at every position, or at
+        `positions`: indices along the sequence of each forward call (negative ones count from its end; one that a
+        call does not have is skipped). With `generate` and a KV cache the prompt is the first call and every new
+        token a call of its own, so `positions=[-1]` steers the prompt's last token and every generated one."""
+        (unit,) = self._check_units([unit])
+        where = self._check_positions(positions)
+        if where is None:
+            self._steering[unit] = self._steering.get(unit, 0.0) + float(value)
+        else:
+            self._steering_at[unit, where] = self._steering_at.get((unit, where), 0.0) + float(value)
+
+    def ablate(self, units: Iterable[int], positions: Iterable[int] | None = None) -> None:
+        """Zero the coefficients of `units` after TopK (the other selected units keep theirs), at every position or
+        at `positions` (as `steer`'s)."""
+        units = frozenset(self._check_units(units))
+        where = self._check_positions(positions)
+        if where is None:
+            self._ablated = self._ablated | units
+        else:
+            self._ablated_at[where] = self._ablated_at.get(where, frozenset()) | units
 
     def clear_interventions(self) -> None:
-        self._steering = {}
-        self._ablated = frozenset()
+        self._steering, self._steering_at = {}, {}
+        self._ablated, self._ablated_at = frozenset(), {}
 
     @contextlib.contextmanager
-    def intervene(self, steer: dict[int, float] | None = None, ablate: Iterable[int] = ()) -> Iterator["SparseLayer"]:
-        """Context manager: `with layer.intervene(steer={5: 100.0}, ablate=[3]): model.generate(...)`."""
-        saved = (dict(self._steering), self._ablated)
+    def intervene(
+        self, steer: dict[int, float] | None = None, ablate: Iterable[int] = (),
+        positions: Iterable[int] | None = None,
+    ) -> Iterator["SparseLayer"]:
+        """Context manager: `with layer.intervene(steer={5: 100.0}, ablate=[3]): model.generate(...)`; with
+        `positions` (e.g. [-1]) only there (see `steer`)."""
+        saved = (dict(self._steering), self._ablated, dict(self._steering_at), dict(self._ablated_at))
         try:
             for unit, value in (steer or {}).items():
-                self.steer(unit, value)
-            self.ablate(ablate)
+                self.steer(unit, value, positions)
+            ablate = list(ablate)
+            if ablate:
+                self.ablate(ablate, positions)
             yield self
         finally:
-            self._steering, self._ablated = saved
+            self._steering, self._ablated, self._steering_at, self._ablated_at = saved
 
     def _hook_code(self, index: torch.Tensor, weights: torch.Tensor, lead: tuple[int, ...]) -> SparseCode:
         """Interventions, then `code_hook` at the input's leading shape: (T, K) each -> the code (*lead, K')."""
-        code = self._intervene_on_code(index, weights)
+        code = self._intervene_on_code(index, weights, lead)
         return self.code_hook(SparseCode(code.top_k_index.reshape(*lead, -1), code.top_k_weights.reshape(*lead, -1)))
 
     def _hook_code_tracked(
@@ -525,7 +558,7 @@ class SparseLayer(nn.Module):
         inference-mode tensors, which carry no version counter — both are False, so the caller decodes whatever the
         code holds (its general path, which is also free of host synchronizations).
         """
-        code = self._intervene_on_code(index, weights)
+        code = self._intervene_on_code(index, weights, lead)
         shown = SparseCode(code.top_k_index.reshape(*lead, -1), code.top_k_weights.reshape(*lead, -1))
         trackable = not (
             torch.compiler.is_compiling() or shown.top_k_index.is_inference() or shown.top_k_weights.is_inference()
@@ -544,22 +577,43 @@ class SparseLayer(nn.Module):
         )
         return out.flat(), same_units, same_values
 
-    def _intervene_on_code(self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> SparseCode:
-        # top_k_index, top_k_weights: (T, K)
+    def _intervene_on_code(
+        self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, lead: tuple[int, ...] = ()
+    ) -> SparseCode:
+        # top_k_index, top_k_weights: (T, K), T = prod(lead) tokens; the last of `lead` is the sequence
         if self._ablated:
             ablated = torch.tensor(sorted(self._ablated), device=top_k_index.device)
             top_k_weights = top_k_weights.masked_fill(torch.isin(top_k_index, ablated), 0.0)
-        if self._steering:
+        for where, units in self._ablated_at.items():
+            at = self._at_positions(where, top_k_index, lead)  # (T, 1)
+            hit = torch.isin(top_k_index, torch.tensor(sorted(units), device=top_k_index.device)) & at  # (T, K)
+            top_k_weights = top_k_weights.masked_fill(hit, 0.0)
+        if self._steering or self._steering_at:
             # Steered units ride along as extra (index, value) pairs: the sum over the code then adds λ·row_n exactly,
-            # also when n is already among the top K (embedding_bag sums duplicate ids).
-            n_tokens, n_steer = top_k_index.shape[0], len(self._steering)
-            extra_index = torch.tensor(list(self._steering), device=top_k_index.device).expand(n_tokens, n_steer)
-            extra_weights = torch.tensor(
-                list(self._steering.values()), device=top_k_weights.device, dtype=top_k_weights.dtype
-            ).expand(n_tokens, n_steer)
+            # also when n is already among the top K (embedding_bag sums duplicate ids). At chosen positions the
+            # pair is there at every position with the value 0 elsewhere (adds nothing, and fires nowhere else).
+            n_tokens = top_k_index.shape[0]
+            units = list(self._steering) + [unit for unit, _ in self._steering_at]
+            values = torch.tensor(
+                list(self._steering.values()) + list(self._steering_at.values()),
+                device=top_k_weights.device, dtype=top_k_weights.dtype,
+            ).expand(n_tokens, len(units))  # (T, S)
+            if self._steering_at:
+                at = torch.cat([self._at_positions(where, top_k_index, lead) for _, where in self._steering_at], -1)
+                values = torch.cat([values[:, : len(self._steering)], values[:, len(self._steering):] * at], -1)
+            extra_index = torch.tensor(units, device=top_k_index.device).expand(n_tokens, len(units))  # (T, S)
             top_k_index = torch.cat([top_k_index, extra_index], dim=-1)  # (T, K + S)
-            top_k_weights = torch.cat([top_k_weights, extra_weights], dim=-1)  # (T, K + S)
+            top_k_weights = torch.cat([top_k_weights, values], dim=-1)  # (T, K + S)
         return SparseCode(top_k_index, top_k_weights)
+
+    @staticmethod
+    def _at_positions(positions: tuple[int, ...], top_k_index: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
+        """(T, 1) bool: whether each of the T = prod(lead) tokens stands at one of `positions` of its sequence (the
+        last dim of `lead`; negative positions from its end)."""
+        length = lead[-1] if lead else 1
+        wanted = sorted({p + length if p < 0 else p for p in positions if -length <= p < length})
+        position = torch.arange(top_k_index.shape[0], device=top_k_index.device) % max(length, 1)  # (T,)
+        return torch.isin(position, torch.tensor(wanted, dtype=torch.long, device=position.device))[:, None]
 
 
 def sparse_rows_sum(code: SparseCode, rows: torch.Tensor) -> torch.Tensor:

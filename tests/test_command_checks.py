@@ -212,6 +212,18 @@ def test_any_write_that_finds_the_disk_full_after_the_checks_exits_1_in_one_line
              f"no space left on {out}: free some space and run the command again", code=1)
 
 
+def test_a_directory_given_as_one_corpus_file_is_called_a_directory(folder, tmp_path, capsys):
+    # It used to be "no such file" (inspect, specialize) or "does not exist" (tasks).
+    corpora = folder.parent
+    said = f"{str(corpora)!r} is a directory, not a file (it holds a.txt"
+    _refused(capsys, ["tasks", corpora, "--name", "mine", "--output", tmp_path / "t"], "text file: " + said)
+    _refused(capsys, ["inspect", folder, "--corpus", f"x={corpora}", "--output", tmp_path / "o"],
+             "--corpus x: " + said, "repeat --corpus NAME=PATH for each file")
+    _refused(capsys, ["specialize", folder, "--corpus", f"a={corpora}/a.txt", "--eval-corpus", f"a={corpora}"],
+             "--eval-corpus a: " + said)
+    assert not (tmp_path / "t").exists() and not (tmp_path / "o").exists()
+
+
 # -- counts and windows -----------------------------------------------------------------------------------------------
 
 

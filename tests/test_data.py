@@ -459,6 +459,43 @@ def test_check_data_reports_a_tokenizer_yielding_zero_tokens(corpus):
     assert "add text" not in message
 
 
+@pytest.mark.parametrize("suffix, compress", [(".gz", "gzip"), (".bz2", "bz2"), (".xz", "lzma")])
+def test_compressed_corpora_are_read_as_the_plain_file(tmp_path, corpus, suffix, compress):
+    import importlib
+
+    module = importlib.import_module(compress)
+    packed = tmp_path / ("packed.txt" + suffix)
+    packed.write_bytes(module.compress(corpus.read_bytes()))
+    plain, compressed = data_config(corpus), data_config(packed)
+    assert list(iter_documents(compressed)) == list(iter_documents(plain)) != []
+    records = tmp_path / ("records.jsonl" + suffix)  # the format is the name's without the compression suffix
+    records.write_bytes(module.compress(b'{"text": "w1 w2"}\n{"text": "w3"}\n'))
+    assert list(iter_documents(data_config(records))) == ["w1 w2", "w3"]
+
+
+def test_compressed_files_that_cannot_be_read_say_how_to_decompress(tmp_path, corpus):
+    import gzip
+
+    zstd = tmp_path / "corpus.txt.zst"
+    zstd.write_bytes(b"\x28\xb5\x2f\xfd" + b"\0" * 8)
+    with pytest.raises(DataError, match=r"data\.paths: '.*corpus\.txt\.zst' is zstd-compressed; decompress it "
+                                        r"\(zstd -d FILE\)"):
+        DataConfig(paths=[str(zstd)])
+    held = tmp_path / "held.zip"
+    held.write_bytes(b"PK\x03\x04")
+    with pytest.raises(DataError, match=r"data\.eval_paths: .* is a zip archive; decompress it \(unzip FILE\)"):
+        DataConfig(paths=[str(corpus)], eval_paths=[str(held)])
+    hidden = tmp_path / "hidden.txt"  # gzip under a plain-text name: said so, not "convert it with iconv"
+    hidden.write_bytes(gzip.compress(corpus.read_bytes()))
+    with pytest.raises(DataError, match=r"'.*hidden\.txt' is gzip-compressed, not text; decompress it \(gunzip -k "
+                                        r"FILE\) or, for gzip / bzip2 / xz, name it with its \.gz"):
+        list(iter_documents(data_config(hidden)))
+    parquet = tmp_path / "t.parquet.gz"
+    parquet.write_bytes(gzip.compress(b"x"))
+    with pytest.raises(DataError, match="is a compressed parquet file; decompress it"):
+        DataConfig(paths=[str(parquet)])
+
+
 def test_check_data_unreadable_and_missing_files(tmp_path, corpus, tokenizer):
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("caf\xe9 w1 w2\n".encode("latin-1"))

@@ -57,6 +57,16 @@ def test_bad_held_out_files_are_refused_naming_the_key(tmp_path):
                      train_tokens=256, eval_tokens=64)
     with pytest.raises(DataError, match="also appears in the held-out files data.eval_paths"):
         check_data(cfg, tok)
+    # A held-out file that cannot be read is blamed on data.eval_paths, not on data.paths.
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9 w1 w2\n".encode("latin-1"))
+    cfg = DataConfig(source="text", paths=[str(train)], eval_paths=[str(latin1)], context_length=16,
+                     train_tokens=256, eval_tokens=64)
+    with pytest.raises(DataError, match=r"^data\.eval_paths: '.*latin1\.txt' is not UTF-8 text .* or remove it from "
+                                        r"data\.eval_paths$"):
+        check_data(cfg, tok)
+    with pytest.raises(DataError, match=r"^data\.eval_paths: '.*latin1\.txt' is not UTF-8"):
+        list(split_documents(cfg).train())  # the train split reads the held-out files too (to leave them out)
 
 
 def test_upcycle_measures_on_the_held_out_file(tiny_run):

@@ -12,6 +12,7 @@ from expertize.conversion.harness.folder_eval import evaluate_model_folder
 from expertize.conversion.harness.offline_tasks import write_tasks_from_text
 from expertize.conversion.harness.runner import HarnessSettings
 from expertize.conversion.inspection import InspectionSettings, inspect_folder
+from expertize.conversion.inspection.codes import TextCodes, decode, load_model, text_codes
 from expertize.conversion.publishing.push import push_model
 from expertize.conversion.recipe import Recipe, load_recipe
 from expertize.conversion.specialization import SpecializationSettings, specialize_folder
@@ -25,6 +26,7 @@ DOCUMENTED = {
     "InspectionSettings": InspectionSettings, "inspect_folder": inspect_folder,
     "SpecializationSettings": SpecializationSettings, "specialize_folder": specialize_folder,
     "push_model": push_model, "splice": splice, "save_model": save_model,
+    "load_model": load_model, "text_codes": text_codes, "TextCodes": TextCodes, "decode": decode,
 }
 """Each front-door name and the object it must be (where the commands and docs define it)."""
 

@@ -294,7 +294,7 @@ def _fake_folder(root: Path, name: str, spec, metrics: dict) -> Path:
     return folder
 
 
-def test_plot_sweep(tmp_path):
+def test_plot_sweep(tmp_path, monkeypatch):
     folders = []
     for k, ce, acc in ((2, 3.9, 0.30), (8, 3.6, 0.35), (4, 3.7, 0.33)):
         spec = MxdSpec(d_in=64, d_out=64, d_hidden=172, num_experts=256, k=k, encoder="glu", activation="silu")
@@ -322,9 +322,31 @@ def test_plot_sweep(tmp_path):
 
     with pytest.raises(ValueError, match="has no value for 'fvu'"):
         sweep_points(folders, "fvu")  # the transcoder folder has no per-layer metrics
-    (folders[3] / "metrics.json").write_text(json.dumps({"ce": {"base": 3.4, "spliced": 3.8}}))
-    with pytest.raises(ValueError, match="different base values for ce.spliced"):
-        plot_sweep(folders, "ce.spliced", tmp_path / "bad.png")
+    # Evaluated on another budget (another base value): plotted as a second evaluation with a base line of its own,
+    # each labelled by its budget (before: refused, "compare like with like"); --no-base leaves the base lines out.
+    (folders[3] / "metrics.json").write_text(json.dumps({"ce": {"base": 3.4, "spliced": 3.8}, "eval_tokens": 8192}))
+    for folder in folders[:3]:
+        (folder / "metrics.json").write_text(json.dumps({**json.loads((folder / "metrics.json").read_text()),
+                                                         "eval_tokens": 32768}))
+    assert cli_main(["plot-sweep", *map(str, folders), "--metric", "ce.spliced", "--output",
+                     str(tmp_path / "mixed.png")]) == 0
+    record = json.loads((tmp_path / "mixed.json").read_text())
+    assert record["base_value"] is None and record["evaluations"] == [
+        {"base_value": 3.5, "label": "32,768 eval tokens", "folders": [str(f) for f in folders[:3]]},
+        {"base_value": 3.4, "label": "8,192 eval tokens", "folders": [str(folders[3])]}]
+    import matplotlib.pyplot as plt
+
+    seen = {}
+    monkeypatch.setattr(plt, "close", lambda fig: seen.setdefault("labels", [
+        line.get_label() for line in fig.axes[0].get_lines()]))
+    plot_sweep(folders, "ce.spliced", tmp_path / "mixed2.png")
+    assert seen.pop("labels") == ["mxd (32,768 eval tokens)", "base model (32,768 eval tokens)",
+                                  "transcoder (8,192 eval tokens)", "base model (8,192 eval tokens)"]
+    plot_sweep(folders, "ce.spliced", tmp_path / "nobase.png", base=False)
+    assert seen.pop("labels") == ["mxd (32,768 eval tokens)", "transcoder (8,192 eval tokens)"]
+    assert cli_main(["plot-sweep", *map(str, folders[:3]), "--metric", "ce.spliced", "--no-base", "--output",
+                     str(tmp_path / "one.png")]) == 0
+    assert seen.pop("labels") == ["mxd"]
 
     # μMoE has no top K: it is refused on the K axis (naming the folder and the fix) and plotted by active parameters
     mumoe = _fake_folder(tmp_path, "mumoe", MuMoECPSpec(d_in=64, d_out=64, d_hidden=172, num_experts=16, rank=8),

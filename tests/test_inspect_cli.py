@@ -2,6 +2,8 @@
 per-prompt view, the delphi cache export, and one-line errors (exit 2) for bad folders and empty corpora."""
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -44,7 +46,7 @@ def _inspect(model_dir, tmp_path, *extra):
 
 def test_cli_writes_valid_reports_and_a_self_contained_explorer(model_dir, tmp_path, capsys):
     out = _inspect(model_dir, tmp_path)
-    assert sorted(p.name for p in out.iterdir()) == ["index.html", "layer_0.json", "layer_1.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["index.html", "inspect.json", "layer_0.json", "layer_1.json"]
     jsonschema = pytest.importorskip("jsonschema")
     for layer in (0, 1):
         report = json.loads((out / f"layer_{layer}.json").read_text(encoding="utf-8"))
@@ -163,6 +165,8 @@ def test_errors_are_one_line_with_exit_2(model_dir, tmp_path, capsys):
          "corpus 'e' (" + str(empty) + ") is empty"),
         (["inspect", str(model_dir), "--corpus", f"x={tmp_path / 'missing.txt'}", "--output", str(tmp_path / "o")],
          "no such file"),
+        (["inspect", str(model_dir), "--corpus", f"x={model_dir}", "--output", str(tmp_path / "o")],
+         f"--corpus x: {str(model_dir)!r} is a directory, not a file (it holds "),
         (["inspect", str(model_dir), "--output", str(tmp_path / "o")], "give --corpus NAME=PATH"),
         (["inspect", str(model_dir), "--corpus", str(model_dir.parent / "a.txt"), "--output", str(tmp_path / "o"),
           "--export", "delphi"], "does not name a loadable base model (recorded: none); the tools load the base"),
@@ -179,3 +183,18 @@ def test_errors_are_one_line_with_exit_2(model_dir, tmp_path, capsys):
         assert err.startswith("expertize inspect: error: ") and message in err, err
         assert "\n" not in err, err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow  # trains the quickstart at its full budget (18 s on 2 CPU cores)
+def test_the_prompt_example_of_docs_inspect_md_is_what_the_quickstart_prints(tmp_path, capsys):
+    """The page's `--prompt` lines are the command's output on `expertize upcycle quickstart` (they were stale)."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "inspect.md").read_text(encoding="utf-8")
+    example = re.search(
+        r"^\$ expertize inspect runs/quickstart --prompt \"(.*?)\" --per-token (\d+)\n(.*?)\n   \.\.\.", page, re.S | re.M
+    )
+    prompt, per_token, shown = example[1], example[2], example[3].splitlines()
+    out = tmp_path / "quickstart"
+    assert main(["upcycle", "quickstart", "--no-progress", "--set", f"output_dir={out}"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(out), "--prompt", prompt, "--per-token", per_token]) == 0
+    assert capsys.readouterr().out.splitlines()[: len(shown)] == shown

@@ -197,6 +197,39 @@ def test_steering_is_linear_and_ablation_removes_only_the_units_that_fire(row):
         torch.testing.assert_close(layer(x), base)  # the context manager restored the layer
 
 
+def test_steering_and_ablation_at_chosen_positions(row):
+    """`positions` index the sequence (the input's last leading dim; negative from its end): the steered / ablated
+    output there equals the every-position intervention's, and elsewhere the plain output."""
+    layer = _layer(row)
+    x = _x(2, 6)  # (batch, seq, d): position p of both sequences
+    with torch.no_grad():
+        base = layer(x)
+        code = layer.encode(x)
+        unit = sorted(set(code.top_k_index[code.top_k_weights != 0].tolist()))[0]
+        for steer, ablate in (({unit: 2.0}, ()), ({}, [unit])):
+            with layer.intervene(steer=steer, ablate=ablate):
+                everywhere = layer(x)
+            assert not torch.allclose(everywhere, base)
+            with layer.intervene(steer=steer, ablate=ablate, positions=[1, -1]):
+                chosen = layer(x)
+            at = torch.tensor([False, True, False, False, False, True])
+            torch.testing.assert_close(chosen[:, at], everywhere[:, at])
+            torch.testing.assert_close(chosen[:, ~at], base[:, ~at])
+            with layer.intervene(steer=steer, ablate=ablate, positions=[9]):  # beyond this call's sequence: skipped
+                torch.testing.assert_close(layer(x), base)
+        with layer.intervene(steer={unit: 4.0}):
+            twice = layer(x)
+        layer.steer(unit, 2.0, positions=0)
+        layer.steer(unit, 2.0, positions=[0])  # adds up, as at every position
+        steered = layer(x)
+        torch.testing.assert_close(steered[:, 0], twice[:, 0])
+        torch.testing.assert_close(steered[:, 1:], base[:, 1:])
+        layer.clear_interventions()
+        torch.testing.assert_close(layer(x), base)
+    with pytest.raises(ValueError, match="positions is empty"):
+        layer.steer(unit, 1.0, positions=[])
+
+
 def test_interventions_name_the_valid_range(row):
     layer = _layer(row)
     n = layer.num_units

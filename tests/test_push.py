@@ -190,7 +190,7 @@ def test_push_refuses_folders_that_are_not_expertize_models(tmp_path):
         with pytest.raises(ValueError, match="has no config.json"):
             push_model(tmp_path, REPO)
         spec = MxdSpec(d_in=D_MODEL, d_out=D_MODEL, d_hidden=D_HIDDEN, num_experts=16, k=4, activation="gelu_new")
-        folder = save_model(splice(tiny_base_model("gpt2"), {1: MxdLayer(spec)}), tmp_path / "m")
+        folder = save_model(splice(tiny_base_model("gpt2"), {1: MxdLayer(spec)}), tmp_path / "m", tokenizer=False)
         (folder / "model.safetensors").unlink()
         with pytest.raises(ValueError, match="has no weights"):
             push_model(folder, REPO)

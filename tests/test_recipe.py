@@ -190,6 +190,9 @@ def test_key_in_the_wrong_section_is_pointed_to_its_section(tmp_path):
         ("data", {"source": "hub", "name": 7}, r"data\.name: expected a string or null, got 7 \(int\)"),
         ("layers", 8, r"layers: expected a list of integers or 'all', got 8 \(int\); for a single item write \[8\]"),
         ("layers", [1, "two"], r"layers\[1\]: expected an integer, got 'two' \(str\)"),
+        # A word is not suggested as a one-item list of integers ([ALL]); the word it misspells is.
+        ("layers", "ALL", r"layers: .*got 'ALL' \(str\) \(did you mean 'all'\? it is written in lower case\)$"),
+        ("layers", "al", r"layers: .*got 'al' \(str\) \(did you mean 'all'\?\)$"),
         ("train", "fast", r"train: expected a section \(a mapping of keys\), got 'fast'"),
     ],
 )
@@ -247,6 +250,55 @@ def test_duplicate_yaml_keys_are_rejected(tmp_path):
     text = yaml.safe_dump(minimal(), sort_keys=False) + "base_model: gpt2-medium\n"
     with pytest.raises(RecipeError, match=r"duplicate key 'base_model'"):
         load_recipe(write(tmp_path, text))
+
+
+def test_the_first_example_of_docs_recipes_md_parses(tmp_path):
+    # The page's own example, read from the page: ${VAR} inside a YAML flow list (`paths: [${EXPERTIZE_ASSETS}/...]`)
+    # used to be a YAML syntax error (its braces are flow syntax there).
+    page = (Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text(encoding="utf-8")
+    example = re.search(r"```yaml\n(.*?)```", page, re.S)[1]
+    assert "paths: [${EXPERTIZE_ASSETS}/" in example
+    recipe = load_recipe(write(tmp_path, example))
+    assets = Path(__file__).resolve().parents[1] / "expertize" / "assets"
+    assert recipe.data.paths == [str(assets / "tinyshakespeare.txt")]
+    assert recipe.base_model == str(assets / "tiny-gpt2-shakespeare")
+    assert recipe.layer.k == 16 and recipe.data.train_tokens == 200_000 and recipe.output_dir == "runs/quickstart"
+
+
+def test_variables_inside_flow_collections_and_overrides(tmp_path, monkeypatch):
+    monkeypatch.setenv("CORPORA", str(tmp_path))
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text("text\n")
+    text = yaml.safe_dump(minimal(), sort_keys=False).replace(
+        "data:\n  source: hub\n  name: Skylion007/openwebtext\n",
+        "data: {source: text, paths: [${CORPORA}/a.txt, ${CORPORA}/b.txt]}\n",
+    )
+    assert load_recipe(write(tmp_path, text)).data.paths == [f"{tmp_path}/a.txt", f"{tmp_path}/b.txt"]
+    recipe = recipe_from_dict(minimal(), ["data={source: text, paths: [${CORPORA}/a.txt]}",
+                                          "data.paths=[${CORPORA}/b.txt]"])
+    assert recipe.data.paths == [f"{tmp_path}/b.txt"]
+    # Quoted, and in a block list, as before; an error message shows the ${VAR} as written.
+    assert recipe_from_dict(minimal(), ['data={source: text, paths: ["${CORPORA}/a.txt"]}']).data.paths == [
+        f"{tmp_path}/a.txt"]
+    with pytest.raises(RecipeError, match=r"(?s)not valid YAML: .*\[\$\{CORPORA\}/a\.txt"):
+        recipe_from_dict(minimal(), ["data.paths=[${CORPORA}/a.txt"])
+
+
+def test_yaml_merge_keys(tmp_path):
+    # A sweep's variants share a layer section through an anchor and a merge key; their own keys win.
+    text = yaml.safe_dump(minimal(), sort_keys=False).replace(
+        "layer:\n  kind: mxd\n  k: 32\n  match_transcoder: 32\n",
+        "layer: &base\n  kind: mxd\n  k: 32\n  match_transcoder: 32\n",
+    ) + ("variants:\n  - {name: k8, layer: {<<: *base, k: 8}}\n"
+         "  - name: k16\n    layer:\n      <<: *base\n      k: 16\n")
+    recipe = load_recipe(write(tmp_path, text))
+    assert [(v.name, v.layer) for v in recipe.variants] == [
+        ("k8", {"kind": "mxd", "k": 8, "match_transcoder": 32}),
+        ("k16", {"kind": "mxd", "k": 16, "match_transcoder": 32}),
+    ]
+    # A key repeated in the mapping itself is still a duplicate (not one overriding a merged key).
+    with pytest.raises(RecipeError, match=r"duplicate key 'k' \(first at line"):
+        load_recipe(write(tmp_path, text.replace("{<<: *base, k: 8}", "{<<: *base, k: 8, k: 4}")))
 
 
 def test_empty_and_commented_out_sections(tmp_path):
@@ -571,8 +623,8 @@ def test_preflight_plans_the_recipes_distill_steps(tiny_run):
 
 def test_kind_switch_from_the_command_line_resets_k_with_null():
     tree = minimal(layer={"kind": "mxd", "k": 8, "match_transcoder": 8})
-    expected = (r"layer\.k=8 does not apply to layer\.kind='mumoe_cp'; remove it from the recipe or override it "
-                r"with --set layer\.k=null \(it applies to kinds: ")
+    expected = (r"layer\.k=8 does not apply to layer\.kind='mumoe_cp' \(it applies to kinds: .*\); remove it from the "
+                r"recipe, or switch kinds on the command line with --set layer\.kind=mumoe_cp --set layer\.k=null$")
     with pytest.raises(RecipeError, match=expected):
         recipe_from_dict(tree, ["layer.kind=mumoe_cp", "layer.num_experts=16"])
     recipe = recipe_from_dict(tree, ["layer.kind=mumoe_cp", "layer.k=null", "layer.num_experts=16"])
@@ -581,6 +633,25 @@ def test_kind_switch_from_the_command_line_resets_k_with_null():
     assert spec.kind == "mumoe_cp" and spec.num_experts == 16 and spec.rank >= 1
     # On a key that takes null, null stays a value.
     assert recipe_from_dict(minimal(base_revision="main"), ["base_revision=null"]).base_revision is None
+
+
+def test_switching_the_quickstart_to_mumoe_cp_takes_the_overrides_the_error_names():
+    """`--set layer.k=null` alone was not enough (μMoE also needs its expert count) and the two errors came one at a
+    time; the first now names every override, and those overrides, as docs/recipes.md gives them, load and size."""
+    with pytest.raises(RecipeError) as info:
+        load_recipe("quickstart", ["layer.kind=mumoe_cp"])
+    switch = re.search(r"switch kinds on the command line with (.*?) \(", str(info.value))[1]
+    assert switch == "--set layer.kind=mumoe_cp --set layer.k=null --set layer.num_experts=N"
+    overrides = [part.replace("=N", "=256") for part in switch.split("--set ")[1:]]
+    recipe = load_recipe("quickstart", [o.strip() for o in overrides])
+    spec = resolve_layer_spec(recipe.layer, BASE_MODELS["tiny-gpt2-shakespeare"][0])
+    assert (spec.kind, spec.num_experts) == ("mumoe_cp", 256) and spec.rank >= 1
+    page = (RECIPES.parent / "docs" / "recipes.md").read_text(encoding="utf-8")
+    assert "`--set layer.kind=mumoe_cp --set layer.k=null --set layer.num_experts=256`" in page
+    with pytest.raises(RecipeError, match=r"layer\.num_experts is required: layer\.match_transcoder sizes the rank of "
+                                          r"layer\.kind='mumoe_cp', not its expert count; set it, e\.g\. --set "
+                                          r"layer\.num_experts=256$"):
+        load_recipe("quickstart", ["layer.kind=mumoe_cp", "layer.k=null"])
 
 
 def test_bundled_recipes_by_name(data_dir, tmp_path, monkeypatch):

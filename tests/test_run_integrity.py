@@ -302,6 +302,16 @@ def test_capture_specialize_and_tasks_draw_progress_bars(tiny_run, capsys):
 # -- 8. results a newcomer can read -------------------------------------------------------------------------------
 
 
+def test_a_small_dead_fraction_is_read_out_as_it_is():
+    """0.2 % dead used to print as "0% dead is good"; a fraction is shown to three significant digits."""
+    from expertize.conversion.evaluation.reading import reading_lines
+    from expertize.conversion.publishing.metrics_schema import Metrics
+
+    lines = reading_lines(Metrics.from_dict({"layers": {"2": {"dead_fraction": 0.00195}, "3": {"dead_fraction": 0.5},
+                                                        "4": {"dead_fraction": 0.0}}}))
+    assert [line.split(" dead is ")[0] for line in lines] == ["layer 2: 0.195 %", "layer 3: 50 %", "layer 4: 0 %"]
+
+
 def test_the_summary_says_what_good_and_bad_values_look_like(quickstart):
     """The end of `expertize upcycle` grades ΔCE, FVU and dead units against stated bounds and explains the greedy
     match. Before: "greedy continuations identical to base: 0.00%" and "dead 49%" with no word on either."""
@@ -315,7 +325,7 @@ def test_the_summary_says_what_good_and_bad_values_look_like(quickstart):
     delta, dead = metrics["ce"]["delta"], metrics["layers"]["2"]["dead_fraction"]
     grade = "good" if delta < GRADES["ΔCE"][0] else "poor" if delta > GRADES["ΔCE"][1] else "fair"
     assert f"ΔCE {delta:+.3f} nats is {grade}: " in summary and "0 = lossless" in summary
-    assert f"layer 2: {dead:.0%} dead is " in summary and "a few % is healthy" in summary
+    assert f"layer 2: {dead * 100:.3g} % dead is " in summary and "a few % is healthy" in summary
     curve = metrics["generation"]["match_curve"]
     agree = next((i for i, share in enumerate(curve) if share < 0.5), len(curve))
     assert f"whole {len(curve)}-token continuation equals the base's" in summary

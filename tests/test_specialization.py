@@ -239,6 +239,8 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
     cases = [
         ([str(model_dir), "--corpus", f"a={corpus}"], "at least two domain corpora"),
         ([str(model_dir), "--corpus", f"a={corpus}", "--corpus", f"b={tmp_path / 'none.txt'}"], "no such file"),
+        ([str(model_dir), "--corpus", f"a={corpus}", "--corpus", f"b={tmp_path}"],
+         f"--corpus b: {str(tmp_path)!r} is a directory, not a file (it holds a.txt"),
         ([str(tmp_path), "--corpus", f"a={corpus}", "--corpus", f"b={corpus}"], "config.json"),
         ([str(model_dir), "--corpus", f"a={corpus}", "--corpus", f"b={corpus}", "--eval-fraction", "1.5"],
          "between 0 and 1"),
@@ -312,6 +314,24 @@ def test_report_prints_intervals_and_not_significant():
     report = specialize(model, {"a": same, "b": same}, {"a": same, "b": same}, [1, 2], settings=settings)
     assert report.masking == [] and math.isnan(report.summary()["specificity"])
     assert "masking (Monet's rule)" in report.format() and report.to_json()["summary"]["specificity"] is None
+
+
+def test_a_specificity_without_a_value_says_why():
+    """The quickstart's headline was `specificity n/a [-321.97, n/a] n.s. (random inf)`: a ratio over ΔCE(others) <= 0
+    has no value; the summary now says so with the two ΔCEs it would divide."""
+    from expertize.conversion.specialization.report import _specificity_summary
+
+    e = lambda value, low=math.nan, high=math.nan: Estimate(value, low, high, 1000)  # noqa: E731
+    figures = {"specificity": e(math.nan, -321.97), "random_specificity": e(math.inf, 0.3, math.inf),
+               "mask_delta_target": e(-0.0002), "mask_delta_others": e(-0.0001),
+               "random_mask_delta_target": e(0.0003), "random_mask_delta_others": e(-0.0001)}
+    assert _specificity_summary(figures) == (
+        "specificity undefined (ΔCE target -0.0002, others -0.0001: masking made no text worse) (random unbounded "
+        "(ΔCE target +0.0003, others -0.0001: only the domains' own text got worse))")
+    figures.update(specificity=e(4.0, 3.0, 5.0), random_specificity=e(1.1, 0.5, 1.5))
+    assert _specificity_summary(figures) == "specificity 4.00 [3.00, 5.00] (random 1.10)"
+    figures.update(random_specificity=e(3.5, 0.5, 6.0))
+    assert _specificity_summary(figures) == "specificity 4.00 [3.00, 5.00] n.s. (random 3.50)"
 
 
 def test_explicit_held_out_files(tmp_path, capsys):

@@ -4,15 +4,20 @@ every command (`upcycle`'s data section, `capture`, `inspect`, `specialize`, `ta
 One document per line, per blank-line block or per file (text), per record (jsonl / parquet, `text_column`), in the
 order of `data.paths` (globs sorted). A file's format follows its name (`file_format`): a `.jsonl` file is parsed as
 JSON lines and a `.parquet` file as parquet even under the default `data.source: text`, so the raw `{"text": ...}`
-syntax is never read as text; a name that contradicts an explicit other format is refused with the fix. Errors name
-the file and the fix (`DataError`).
+syntax is never read as text; a name that contradicts an explicit other format is refused with the fix. A `.gz`,
+`.bz2` or `.xz` file is decompressed while it is read (standard library), its format named by the rest of its name
+(`wiki.jsonl.gz`); other archives (`.zst`, `.zip`, ...) are refused saying how to decompress them. Errors name the
+file, the setting or flag that gave it (`key`: data.paths, data.eval_paths, --corpus NAME) and the fix (`DataError`).
 """
 
 from __future__ import annotations
 
+import bz2
 import glob
+import gzip
 import itertools
 import json
+import lzma
 import os
 import re
 from collections.abc import Iterator
@@ -33,96 +38,174 @@ class DataError(ExpertizeError, ValueError):
 # Documents
 
 
-def resolve_paths(paths: list[str]) -> list[str]:
-    """Expand glob patterns (sorted) and check that every file exists; keeps the order of `paths`."""
+def resolve_paths(paths: list[str], key: str = "data.paths") -> list[str]:
+    """Expand glob patterns (sorted) and check that every file exists; keeps the order of `paths`. Errors name
+    `key`, the setting that lists them."""
     files = []
     for path in paths:
         if glob.has_magic(path):
             matches = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
             if not matches:
                 raise FileNotFoundError(
-                    f"data.paths: the pattern {path!r} matches no file (relative to {os.getcwd()!r}); "
+                    f"{key}: the pattern {path!r} matches no file (relative to {os.getcwd()!r}); "
                     "fix the pattern or the working directory"
                 )
+            for match in matches:
+                archive_check(match, key)
             files.extend(matches)
         elif os.path.isdir(path):
             raise IsADirectoryError(
-                f"data.paths: {path!r} is a directory; list its files or use a glob such as "
+                f"{key}: {path!r} is a directory; list its files or use a glob such as "
                 f"{os.path.join(path, '*.txt')!r}"
             )
         elif not os.path.isfile(path):
             raise FileNotFoundError(
-                f"data.paths: no such file {path!r} (relative to {os.getcwd()!r}); "
+                f"{key}: no such file {path!r} (relative to {os.getcwd()!r}); "
                 "fix the path, give an absolute path, or use a glob pattern"
             )
         else:
+            archive_check(path, key)
             files.append(path)
     return files
+
+
+def corpus_file_problem(path: str) -> str | None:
+    """Why `path`, named as one corpus file on the command line (`--corpus NAME=PATH`, `expertize tasks TEXT_FILE`),
+    is not one: it does not exist, or it is a directory (naming a few of its files); None when it is a file."""
+    if os.path.isdir(path):
+        inside = sorted(name for name in os.listdir(path) if os.path.isfile(os.path.join(path, name)))
+        shown = (f" (it holds {', '.join(inside[:3])}{', ...' if len(inside) > 3 else ''})" if inside
+                 else " (an empty one)")
+        return f"{path!r} is a directory, not a file{shown}"
+    if not os.path.isfile(path):
+        return f"no such file {path!r} (relative to {os.getcwd()!r})"
+    return None
+
+
+COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+"""Compressed text read as it is decompressed (standard library): the file's format is the rest of its name."""
+
+_ARCHIVES = (  # (magic bytes, name suffixes, what it is, how to decompress it); the readable ones first
+    (b"\x1f\x8b", (".gz",), "gzip-compressed", "gunzip -k FILE"),
+    (b"BZh", (".bz2",), "bzip2-compressed", "bunzip2 -k FILE"),
+    (b"\xfd7zXZ\x00", (".xz",), "xz-compressed", "unxz -k FILE"),
+    (b"\x28\xb5\x2f\xfd", (".zst", ".zstd"), "zstd-compressed", "zstd -d FILE"),
+    (b"PK\x03\x04", (".zip",), "a zip archive", "unzip FILE"),
+    (b"7z\xbc\xaf\x27\x1c", (".7z",), "a 7-Zip archive", "7z x FILE"),
+    (None, (".tar", ".tgz", ".tbz2", ".txz"), "a tar archive", "tar -xf FILE"),
+)
+
+
+def archive_check(path: str, key: str = "data.paths") -> None:
+    """Refuse, by its name, a compressed file that cannot be read as it is (zstd, zip, 7z, tar), saying how to
+    decompress it; `.gz` / `.bz2` / `.xz` files are read (`COMPRESSED`)."""
+    name = path.lower()
+    for _, suffixes, what, command in _ARCHIVES:
+        if name.endswith(suffixes) and not name.endswith(tuple(COMPRESSED)):
+            raise DataError(
+                f"{key}: {path!r} is {what}; decompress it ({command}) and give the file inside it (.gz, .bz2 and "
+                ".xz files are read as they are)"
+            )
+
+
+def _compressed_as(path: str) -> tuple[str, str] | None:
+    """(what, how to decompress) when the file's first bytes are those of a compressed file or archive."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        return None
+    return next(((what, command) for magic, _, what, command in _ARCHIVES if magic and head.startswith(magic)), None)
+
+
+def open_text(path: str, errors: str = "strict"):
+    """A UTF-8 text stream of a corpus file (universal newlines), decompressed when its name says `COMPRESSED`."""
+    opener = COMPRESSED.get(os.path.splitext(path)[1].lower(), open)
+    return opener(path, "rt", encoding="utf-8", errors=errors)
 
 
 FORMAT_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
 """File names whose format is fixed by the name, whatever data.source says (any other name: data.source's)."""
 
 
-def file_format(path: str, source: str = "text") -> str:
-    """How a local corpus file is read: "jsonl" or "parquet" when its name says so (`FORMAT_SUFFIXES`), else
-    `source` (text by default). A name that contradicts an explicit jsonl / parquet source is refused (DataError)."""
-    named = FORMAT_SUFFIXES.get(os.path.splitext(path)[1].lower())
+def file_format(path: str, source: str = "text", key: str = "data.paths") -> str:
+    """How a local corpus file is read: "jsonl" or "parquet" when its name says so (`FORMAT_SUFFIXES`; a compressed
+    file's name without its `.gz`), else `source` (text by default). A name that contradicts an explicit jsonl /
+    parquet source is refused (DataError), and so is a compressed parquet file (parquet compresses inside)."""
+    stem, suffix = os.path.splitext(path)
+    compressed = suffix.lower() in COMPRESSED
+    named = FORMAT_SUFFIXES.get(os.path.splitext(stem if compressed else path)[1].lower())
+    if compressed and (named == "parquet" or source == "parquet"):
+        raise DataError(f"{key}: {path!r} is a compressed parquet file; decompress it (parquet files compress their "
+                        "columns inside)")
     if named is None or named == source:
         return source
     if source != "text":
         raise DataError(
-            f"data.paths: {path!r} is a {named} file by its name, but data.source is {source!r}; set data.source to "
+            f"{key}: {path!r} is a {named} file by its name, but data.source is {source!r}; set data.source to "
             f"{named!r}, or list files of one format"
         )
     return named  # the default source: the file's own format
 
 
-def corpus_config(path: str, context_length: int = 128, separator: str = "auto") -> DataConfig:
+def corpus_config(
+    path: str, context_length: int = 128, separator: str = "auto", key: str = "data.paths"
+) -> DataConfig:
     """The data section that reads one named corpus file as every command does: its format from its name
     (`file_format`); a text file's documents are lines, or blank-line blocks when `separator` is "auto" and the
     file has blocks of several lines (a play's speeches, poems) — detected from its first MiB — or as `separator`
-    ("line" / "blank_line" / "file") says."""
+    ("line" / "blank_line" / "file") says. Errors about the file name `key` (the flag that gave it)."""
     from ..recipe.data import DataConfig
 
-    fmt = file_format(path)
+    archive_check(path, key)
+    fmt = file_format(path, key=key)
     if fmt != "text":
         return DataConfig(source=fmt, paths=[path], context_length=context_length)
     if separator == "auto":
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open_text(path, errors="replace") as f:
             head = f.read(1 << 20).replace("\r\n", "\n")
         blocks = [b for b in re.split(r"\n\s*\n", head.strip("\n")) if b.strip()]
         separator = "blank_line" if len(blocks) > 1 and any("\n" in b.strip("\n") for b in blocks) else "line"
     return DataConfig(source="text", paths=[path], context_length=context_length, document_separator=separator)
 
 
-def iter_documents(cfg: DataConfig) -> Iterator[str]:
-    """Raw non-empty documents in file order (local sources) or stream order (hub)."""
+def iter_documents(cfg: DataConfig, key: str = "data.paths") -> Iterator[str]:
+    """Raw non-empty documents in file order (local sources) or stream order (hub). Errors about a file name `key`,
+    the setting or flag that gave it (data.paths, data.eval_paths, --corpus NAME)."""
     if cfg.source == "hub":
         yield from _hub_documents(cfg)
         return
     readers = {"text": _text_documents, "jsonl": _jsonl_documents, "parquet": _parquet_documents}
     try:
-        files = resolve_paths(cfg.paths)
+        files = resolve_paths(cfg.paths, key)
     except OSError as e:  # a file removed since the recipe was loaded
         raise DataError(str(e)) from e
     for path in files:
-        read = readers[file_format(path, cfg.source)]
+        read = readers[file_format(path, cfg.source, key)]
         try:
-            yield from read(path, cfg)
+            yield from read(path, cfg, key)
         except UnicodeDecodeError as e:
+            compressed = None if path.lower().endswith(tuple(COMPRESSED)) else _compressed_as(path)
+            if compressed is not None:
+                what, command = compressed
+                raise DataError(
+                    f"{key}: {path!r} is {what}, not text; decompress it ({command}) or, for gzip / bzip2 / xz, name "
+                    "it with its .gz / .bz2 / .xz suffix so that it is read as it is"
+                ) from e
+            instead = f"remove it from {key}" if key.startswith("data.") else "give a UTF-8 file"
             raise DataError(
-                f"data.paths: {path!r} is not UTF-8 text ({e.reason} at byte {e.start:,}); convert it to UTF-8 "
-                "(e.g. iconv -t UTF-8) or remove it from data.paths"
+                f"{key}: {path!r} is not UTF-8 text ({e.reason} at byte {e.start:,}); convert it to UTF-8 "
+                f"(iconv -f ITS_ENCODING -t UTF-8 FILE > FILE.utf8.txt) or {instead}"
             ) from e
-        except OSError as e:
+        except (OSError, EOFError) as e:  # EOFError: a truncated .gz / .bz2 / .xz file
             raise DataError(
-                f"data.paths: cannot read {path!r} ({e.strerror or e}); check that it exists and is readable"
+                f"{key}: cannot read {path!r} ({getattr(e, 'strerror', None) or e}); check that it exists, is "
+                "readable and, if compressed, is complete"
             ) from e
 
 
-def _text_documents(path: str, cfg: DataConfig) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
+def _text_documents(path: str, cfg: DataConfig, key: str) -> Iterator[str]:
+    with open_text(path) as f:
         if cfg.document_separator == "file":
             text = f.read()
             if text.strip():
@@ -142,8 +225,8 @@ def _text_documents(path: str, cfg: DataConfig) -> Iterator[str]:
                     paragraph = []
 
 
-def _jsonl_documents(path: str, cfg: DataConfig) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
+def _jsonl_documents(path: str, cfg: DataConfig, key: str) -> Iterator[str]:
+    with open_text(path) as f:
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -160,14 +243,14 @@ def _jsonl_documents(path: str, cfg: DataConfig) -> Iterator[str]:
                 yield text
 
 
-def _parquet_documents(path: str, cfg: DataConfig) -> Iterator[str]:
+def _parquet_documents(path: str, cfg: DataConfig, key: str) -> Iterator[str]:
     import pyarrow.parquet as pq
 
     try:
         parquet = pq.ParquetFile(path)
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
         raise DataError(
-            f"data.paths: {path!r} is not a readable parquet file ({e}); fix the file or set data.source to its format"
+            f"{key}: {path!r} is not a readable parquet file ({e}); fix the file or set data.source to its format"
         ) from e
     columns = parquet.schema_arrow.names
     if cfg.text_column not in columns:

@@ -82,9 +82,9 @@ class DocumentSplit:
         if self.cfg.eval_paths:  # explicit held-out files: all of them eval, all of `paths` but their copies train
             held = replace(self.cfg, paths=self.cfg.eval_paths)
             if want_eval:
-                yield from iter_documents(held)
+                yield from iter_documents(held, key="data.eval_paths")
                 return
-            seen = {_digest(doc) for doc in iter_documents(held)}
+            seen = {_digest(doc) for doc in iter_documents(held, key="data.eval_paths")}
             yield from (doc for doc in iter_documents(self.cfg) if _digest(doc) not in seen)
             return
         for index, doc in enumerate(iter_documents(self.cfg)):

@@ -11,6 +11,11 @@ Metric names (`read_metric`; the lists come from the metrics.json schema, publis
     lm_eval:TASK:METRIC          an lm-eval result recorded by `expertize eval` or eval.lm_eval_tasks, e.g.
                                  lm_eval:expertize_stories_cloze:acc (the ",none" filter is implied)
 Base reference: ce.spliced -> ce.base; ce.delta and ce.kl_base_spliced -> 0; lm_eval:... -> the base's value.
+
+Folders evaluated on different budgets (held-out tokens, an lm-eval --limit) or texts record different base values.
+They are plotted side by side, one evaluation each: the folders that share a base value are one evaluation, drawn
+with its own marker and its own dashed base line, labelled by its budget (`Evaluation`). `base=False` (`--no-base`)
+leaves the base lines out.
 """
 
 import difflib
@@ -25,8 +30,8 @@ from ..publishing.metrics_schema import Metrics, layer_metric_names, metric_help
 from ..publishing.model_folder import check_model_folder, read_metrics
 from ..publishing.run_folder import write_json
 
-__all__ = ["LAYER_METRICS", "SCALAR_METRICS", "SweepPoint", "metric_help", "plot_sweep", "read_metric",
-           "sweep_points"]
+__all__ = ["LAYER_METRICS", "SCALAR_METRICS", "Evaluation", "SweepPoint", "evaluations", "metric_help", "plot_sweep",
+           "read_metric", "sweep_points"]
 
 LAYER_METRICS = tuple(layer_metric_names())
 SCALAR_METRICS = tuple(scalar_metric_paths())
@@ -44,6 +49,8 @@ class SweepPoint:
     active_parameters: int
     value: float
     base_value: float | None
+    budget: str | None = None
+    """What the value was measured on, when metrics.json says: "32,768 eval tokens", "lm-eval limit 100"."""
 
 
 def _dotted(tree: Any, path: str) -> Any:
@@ -100,7 +107,8 @@ def sweep_points(folders: Sequence[str | os.PathLike], metric: str) -> list[Swee
         ks = {getattr(spec, "k", None) for spec in specs}
         if len(ks) > 1:
             raise ValueError(f"{folder}: its layers use different K ({sorted(ks)}); a sweep point needs one K")
-        value, base = read_metric(read_metrics(folder), metric)
+        metrics = read_metrics(folder)
+        value, base = read_metric(metrics, metric)
         if value is None:
             raise ValueError(
                 f"{folder}: metrics.json has no value for {metric!r}; for lm-eval metrics run `expertize eval "
@@ -114,15 +122,64 @@ def sweep_points(folders: Sequence[str | os.PathLike], metric: str) -> list[Swee
                 active_parameters=sum(spec.active_parameters() for spec in specs),
                 value=float(value),
                 base_value=None if base is None else float(base),
+                budget=_budget(metrics, metric),
             )
         )
     return points
 
 
+def _budget(metrics: dict[str, Any], metric: str) -> str | None:
+    """What a folder's `metric` was measured on: its lm-eval task's limit (or document count), else the held-out
+    tokens of the end-of-run evaluation."""
+    if metric.startswith("lm_eval:"):
+        task = _dotted(metrics, f"lm_eval.tasks.{metric.split(':')[1]}") or {}
+        if task.get("limit") is not None:
+            return f"lm-eval limit {task['limit']:,}"
+        return f"{task['n_documents']:,} documents" if task.get("n_documents") is not None else None
+    tokens = metrics.get("eval_tokens")
+    return f"{tokens:,} eval tokens" if isinstance(tokens, int) else None
+
+
+@dataclass
+class Evaluation:
+    """Folders that share one base value (evaluated on the same text and budget): one base line, one marker."""
+
+    base_value: float | None
+    label: str
+    folders: list[str]
+
+
+def evaluations(points: list[SweepPoint]) -> list[Evaluation]:
+    """The points grouped by base value (in the order first seen; points without one join the first group), each
+    labelled by its budget ("32,768 eval tokens") when the budgets tell the groups apart, else by its number."""
+    groups: list[list[SweepPoint]] = []
+    for p in points:
+        home = next((g for g in groups if p.base_value is None or g[0].base_value is None or math.isclose(
+            p.base_value, g[0].base_value, rel_tol=1e-9, abs_tol=1e-12)), None)
+        if home is None:
+            groups.append([p])
+        else:
+            home.append(p)
+    budgets = [{p.budget for p in g} for g in groups]
+    labels = [next(iter(b)) if len(b) == 1 else None for b in budgets]
+    by_budget = None not in labels and len(set(labels)) == len(groups)
+    return [
+        Evaluation(
+            base_value=next((p.base_value for p in g if p.base_value is not None), None),
+            label=labels[i] if by_budget else f"evaluation {i + 1}",
+            folders=[p.folder for p in g],
+        )
+        for i, g in enumerate(groups)
+    ]
+
+
 def plot_sweep(
-    folders: Sequence[str | os.PathLike], metric: str, output: str | os.PathLike, *, x: XAxis = "k"
+    folders: Sequence[str | os.PathLike], metric: str, output: str | os.PathLike, *, x: XAxis = "k",
+    base: bool = True,
 ) -> Path:
-    """Plot `metric` against `x` per method to `output` (PNG); the points go to the same name with .json."""
+    """Plot `metric` against `x` per method to `output` (PNG), with the base model's value as a dashed line (not
+    with `base=False`); folders evaluated on different budgets are plotted as separate evaluations (see the module
+    docstring). The points go to the same name with .json."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -131,39 +188,43 @@ def plot_sweep(
     if x not in ("k", "active_parameters"):
         raise ValueError(f"x must be 'k' or 'active_parameters', got {x!r}")
     points = sweep_points(folders, metric)
+    if not points:
+        raise ValueError("give at least one model folder")
     no_k = [p for p in points if p.k is None]
     if x == "k" and no_k:
         raise ValueError(
             f"{no_k[0].folder}: its {no_k[0].method} layers choose no top K (every unit is gated softly), so it has no "
             "place on a K axis; plot against --x active_parameters"
         )
-    bases = [p.base_value for p in points if p.base_value is not None]
-    if any(not math.isclose(b, bases[0], rel_tol=1e-9, abs_tol=1e-12) for b in bases):
-        spread = ", ".join(f"{p.folder}: {p.base_value}" for p in points if p.base_value is not None)
-        raise ValueError(
-            f"the folders record different base values for {metric} ({spread}): they were evaluated against "
-            "different base models or settings, so no single base line can be drawn; compare like with like"
-        )
+    groups = evaluations(points)
+    several = len(groups) > 1
     fig, ax = plt.subplots(figsize=(6, 4))
-    for method in sorted({p.method for p in points}):
-        ps = sorted((p for p in points if p.method == method), key=lambda p: getattr(p, x))
-        ax.plot([getattr(p, x) for p in ps], [p.value for p in ps], marker="o", label=method)
-    if bases:
-        ax.axhline(bases[0], color="black", linestyle="--", linewidth=1, label="base model")
+    colors = {method: f"C{i}" for i, method in enumerate(sorted({p.method for p in points}))}
+    markers, dashes = "os^DvP*X", [(4, 2), (1, 1), (6, 2, 1, 2), (2, 2, 6, 2)]
+    for g, group in enumerate(groups):
+        mine = [p for p in points if p.folder in group.folders]
+        for method in sorted({p.method for p in mine}):
+            ps = sorted((p for p in mine if p.method == method), key=lambda p: getattr(p, x))
+            ax.plot([getattr(p, x) for p in ps], [p.value for p in ps], marker=markers[g % len(markers)],
+                    color=colors[method], label=f"{method} ({group.label})" if several else method)
+        if base and group.base_value is not None:
+            ax.axhline(group.base_value, color="black", linewidth=1, dashes=dashes[g % len(dashes)],
+                       label=f"base model ({group.label})" if several else "base model")
     xs = [getattr(p, x) for p in points]
     if min(xs) > 0 and max(xs) / min(xs) >= 8:
         ax.set_xscale("log", base=2 if x == "k" else 10)
     ax.set_xlabel("K (active units per token)" if x == "k" else "active parameters per token (sparse layers)")
     ax.set_ylabel(metric)
-    ax.set_title(f"{metric} vs {'K' if x == 'k' else 'active parameters'}")
+    ax.set_title(f"{metric} vs {'K' if x == 'k' else 'active parameters'}"
+                 + (f" ({len(groups)} evaluations)" if several else ""))
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small" if several else None)
     fig.tight_layout()
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=120)
     plt.close(fig)
-    record = {"metric": metric, "x": x, "base_value": bases[0] if bases else None,
-              "points": [asdict(p) for p in points]}
+    record = {"metric": metric, "x": x, "base_value": None if several else groups[0].base_value,
+              "evaluations": [asdict(g) for g in groups], "points": [asdict(p) for p in points]}
     write_json(output.with_suffix(".json"), record)
     return output

@@ -408,15 +408,18 @@ def read_documents(text_file: str | os.PathLike, separator: Separator = "auto") 
     """The documents of a corpus file as every command reads them (data/documents.py: a .jsonl file's "text" field
     per line, a .parquet file's "text" column, a text file's lines or blank-line blocks), tidied for task files:
     trailing spaces and surrounding blank lines dropped."""
-    from ..data.documents import DataError, corpus_config, iter_documents
+    from ..data.documents import DataError, corpus_config, corpus_file_problem, iter_documents
 
     path = Path(text_file)
-    if not path.is_file():
-        raise FileNotFoundError(f"text file {str(path)!r} does not exist")
+    problem = corpus_file_problem(str(path))
+    if problem is not None:
+        raise FileNotFoundError(f"text file: {problem}; give one text file (.txt, .jsonl, .parquet; .gz / .bz2 / .xz "
+                                "compressed text is read too), e.g. the held-out part of your corpus")
     if separator not in _SEPARATORS:
         raise ValueError(f"separator must be 'auto', 'line' or 'blank', got {separator!r}")
     try:
-        raw = iter_documents(corpus_config(str(path), separator=_SEPARATORS[separator]))
+        cfg = corpus_config(str(path), separator=_SEPARATORS[separator], key="text file")
+        raw = iter_documents(cfg, key="text file")
         documents = ["\n".join(line.rstrip() for line in doc.splitlines()).strip() for doc in raw]
     except DataError as e:
         raise ValueError(str(e)) from e

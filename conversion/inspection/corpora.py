@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..data.documents import corpus_config
+from ..data.documents import corpus_config, corpus_file_problem
 from ..data.text import DataError, iter_documents, pack_sequences
 from ..recipe.data import DataConfig
 from ..errors import ExpertizeError
@@ -37,14 +37,18 @@ def parse_corpora(specs: list[str], flag: str = "--corpus") -> dict[str, str]:
             raise InspectionError(f"{flag} {spec!r}: write NAME=PATH (e.g. {flag} code=code.txt) or just PATH")
         if name in corpora:
             raise InspectionError(f"{flag}: the name {name!r} is given twice; name each corpus differently")
-        if not os.path.isfile(path):
-            raise InspectionError(f"{flag} {name}: no such file {path!r}; give a .txt or .jsonl file")
+        problem = corpus_file_problem(path)
+        if problem is not None:
+            raise InspectionError(
+                f"{flag} {name}: {problem}; give one .txt or .jsonl file (.parquet, and .gz / .bz2 / .xz compressed "
+                f"text, are read too), and repeat {flag} NAME=PATH for each file"
+            )
         corpora[name] = path
     return corpora
 
 
-def _data_config(path: str, context_length: int) -> DataConfig:
-    return corpus_config(path, context_length)  # the one corpus reader of every command (data/documents.py)
+def _data_config(path: str, context_length: int, key: str = "data.paths") -> DataConfig:
+    return corpus_config(path, context_length, key=key)  # the one corpus reader of every command (data/documents.py)
 
 
 def corpus_sequences(name: str, path: str, tokenizer, tokens: int, context_length: int) -> torch.LongTensor:
@@ -52,10 +56,10 @@ def corpus_sequences(name: str, path: str, tokenizer, tokens: int, context_lengt
 
     Raises InspectionError for a corpus with no text, or too little text for a single sequence.
     """
-    cfg = _data_config(path, context_length)
     wanted = math.ceil(tokens / context_length)
     try:
-        docs = iter_documents(cfg)
+        cfg = _data_config(path, context_length, key=f"--corpus {name}")
+        docs = iter_documents(cfg, key=f"--corpus {name}")
         first = next(docs, None)
         if first is None:
             raise InspectionError(
@@ -64,8 +68,8 @@ def corpus_sequences(name: str, path: str, tokenizer, tokens: int, context_lengt
             )
         sequences = list(itertools.islice(pack_sequences(itertools.chain([first], docs), tokenizer, cfg, "eval"),
                                           wanted))
-    except DataError as e:
-        raise InspectionError(f"corpus {name!r}: {e}") from e
+    except DataError as e:  # a file's problem names the flag already
+        raise InspectionError(str(e) if str(e).startswith(f"--corpus {name}:") else f"corpus {name!r}: {e}") from e
     if not sequences:
         raise InspectionError(
             f"corpus {name!r} ({path}) does not fill one sequence of {context_length} tokens; add text or lower "

@@ -11,6 +11,7 @@ import torch
 from ..checks import check_context_length, resolve_device
 from ..publishing.model_folder import check_model_folder
 from .corpora import InspectionError, corpus_sequences
+from .output import model_identity
 from .stats import InspectionSettings, InspectionStats, collect_stats
 
 __all__ = ["inspect_folder", "load_for_inspection", "report_bytes", "token_texts"]
@@ -99,9 +100,11 @@ def inspect_folder(
         for name, path in corpora.items()
     }
     model = _load_model(model_dir, device)
-    return collect_stats(
+    stats = collect_stats(
         model, sequences, settings, token_texts(tokenizer), model_name=Path(model_dir).name, progress=progress
     )
+    stats.model_source = model_identity(model_dir)
+    return stats
 
 
 def prompt_ids(

@@ -107,6 +107,9 @@ class InspectionStats:
     """Display text of a token id."""
     sequences: torch.Tensor | None = None
     """(S, T) every sequence read, in global sequence order, when locations were collected."""
+    model_source: str | None = None
+    """The model folder's canonical path (`inspect_folder`): the owner its report folder records; None for a model
+    given in memory (its `model_name` stands in)."""
 
     @property
     def tokens(self) -> int:
@@ -125,10 +128,29 @@ class InspectionStats:
 
         return layer_report(self, layer)
 
-    def write(self, output_dir: str | Path) -> list[Path]:
+    def write(self, output_dir: str | Path, *, overwrite: bool = False, delphi: dict | None = None) -> list[Path]:
+        """Write the report (layer_<i>.json, index.html; with `delphi`, delphi_cache/) into `output_dir` under the
+        report folder's rules (output.py): a rerun for the same model replaces its report, another model's report
+        is refused unless `overwrite`, a folder that is not a report is refused."""
+        from .output import ReportFolder
+
+        folder = ReportFolder(output_dir, self.model_source or self.model_name, overwrite=overwrite)
+        return folder.publish(self.files_writer(delphi=delphi))
+
+    def files_writer(self, delphi: dict | None = None) -> Callable[[Path], list[Path]]:
+        """A function writing the report's files into a folder as they are (no folder rules: `write` has them):
+        layer_<i>.json and index.html, and with `delphi` ({"model_name", "model_type"} of the base) a delphi latent
+        cache in delphi_cache/ (conversion/export/delphi.py)."""
+        from ..export.delphi import export_delphi
         from .report import write_reports
 
-        return write_reports(self, output_dir)
+        def write_files(output_dir: Path) -> list[Path]:
+            written = write_reports(self, output_dir)
+            if delphi is None:
+                return written
+            return written + export_delphi(self, Path(output_dir) / "delphi_cache", **delphi)
+
+        return write_files
 
 
 def sparse_layers_of(model: nn.Module) -> dict[int, nn.Module]:

@@ -11,11 +11,12 @@ import errno
 import fcntl
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import ExpertizeError
 
-__all__ = ["LOCK", "FolderLock", "RunFolderBusy", "busy"]
+__all__ = ["LOCK", "FolderLock", "RunFolderBusy", "busy", "lock_holder"]
 
 LOCK = ".expertize.lock"
 
@@ -24,7 +25,7 @@ class RunFolderBusy(ExpertizeError, ValueError):
     """Another process holds the output folder's lock (a run of it is in progress); the message names its pid."""
 
 
-def _lock_holder(path: Path) -> str:
+def lock_holder(path: Path) -> str:
     """The pid recorded in a held lock file, as text ("unknown" when it cannot be read)."""
     try:
         return path.read_text(encoding="utf-8").strip() or "unknown"
@@ -32,13 +33,17 @@ def _lock_holder(path: Path) -> str:
         return "unknown"
 
 
-def busy(root: Path, lock: Path) -> RunFolderBusy:
-    pid = _lock_holder(lock)
-    stop = f"stop it (kill {pid}) " if pid.isdigit() else "stop it "
-    return RunFolderBusy(
-        f"{root} is in use by another expertize run (pid {pid}, holding {lock.name}); two runs in one folder would "
-        f"mix their checkpoints and logs. Wait for it to finish or {stop}and run this command again (it resumes), "
-        "or choose another output_dir"
+def busy(
+    root: Path, lock: Path, *, error: type[ExpertizeError] = RunFolderBusy, holder: str = "run",
+    two: str = "two runs in one folder would mix their checkpoints and logs",
+    rerun: str = " and run this command again (it resumes)", setting: str = "output_dir",
+) -> ExpertizeError:
+    """The refusal of a folder another process holds, naming its pid (defaults: an upcycle run folder's)."""
+    pid = lock_holder(lock)
+    stop = f" or stop it (kill {pid})" if pid.isdigit() else " or stop it"
+    return error(
+        f"{root} is in use by another expertize {holder} (pid {pid}, holding {lock.name}); {two}. Wait for it to "
+        f"finish{stop}{rerun}, or choose another {setting}"
     )
 
 
@@ -52,8 +57,11 @@ class FolderLock:
     ATTEMPTS, PAUSE_S = 20, 0.05
     """A checker (`is_held`) holds a shared lock for an instant: retry briefly before calling the folder busy."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, refusal: Callable[[Path, Path], Exception] = busy) -> None:
+        """`refusal(root, lock path)`: the error `acquire` raises when another process holds the lock (default: a
+        run folder's, `busy`)."""
         self.root, self.path, self.fd = root, root / LOCK, None
+        self.refusal = refusal
 
     def is_held(self) -> bool:
         """Whether another process holds the lock (takes and drops a shared lock; creates nothing)."""
@@ -85,7 +93,7 @@ class FolderLock:
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
                 if attempt + 1 == self.ATTEMPTS:
-                    raise busy(self.root, self.path) from None
+                    raise self.refusal(self.root, self.path) from None
                 time.sleep(self.PAUSE_S)
                 continue
             try:
@@ -99,7 +107,7 @@ class FolderLock:
             os.write(fd, f"{os.getpid()}\n".encode())
             self.fd = fd
             return
-        raise busy(self.root, self.path)
+        raise self.refusal(self.root, self.path)
 
     def release(self) -> None:
         if self.fd is None:

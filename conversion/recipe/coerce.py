@@ -203,8 +203,21 @@ def coerce(value: Any, tp: Any, key: str, src: Source) -> Any:
 
 
 def _list_hint(value: Any, options: list[Any]) -> str:
-    if isinstance(value, (str, int, float)) and any(get_origin(o) in (list, tuple) for o in options):
-        return f"; for a single item write [{value}]"
+    """The likely fix of a value that fits none of `options`: a word close to one of their fixed words (`ALL` for
+    "all"), else a one-item list (`8` for [8]) when the value would be a valid item of one of their lists."""
+    words = [a for o in options if get_origin(o) is Literal for a in get_args(o) if isinstance(a, str)]
+    if isinstance(value, str) and words:
+        exact = [w for w in words if w.lower() == value.lower()]
+        hint = f" (did you mean {exact[0]!r}? it is written in lower case)" if exact else did_you_mean(value, words)
+        if hint:
+            return hint
+    for option in options:
+        if get_origin(option) in (list, tuple) and isinstance(value, (str, int, float)):
+            try:
+                coerce(value, get_args(option)[0] if get_args(option) else Any, "", Source("<hint>"))
+            except (_Mismatch, _Invalid):
+                continue
+            return f"; for a single item write [{value}]"
     return ""
 
 

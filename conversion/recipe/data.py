@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..data.documents import DataError, file_format, resolve_paths
+from ..data.documents import file_format, resolve_paths
 
 __all__ = ["DOCUMENT_SEPARATORS", "DataConfig", "LOCAL_SOURCES", "SOURCES", "token_budget_to_sequences"]
 
@@ -113,11 +113,8 @@ class DataConfig:
             if self.source not in LOCAL_SOURCES:
                 raise ValueError(f"data.eval_paths is read like data.paths, by local sources {list(LOCAL_SOURCES)} "
                                  "only, but data.source='hub'; remove data.eval_paths or read local files")
-            try:
-                for path in resolve_paths(self.eval_paths):
-                    file_format(path, self.source)
-            except (OSError, DataError) as e:  # the shared checks name data.paths
-                raise type(e)(str(e).replace("data.paths:", "data.eval_paths:", 1)) from e
+            for path in resolve_paths(self.eval_paths, "data.eval_paths"):
+                file_format(path, self.source, "data.eval_paths")
         if self.source == "hub" and not self.name:
             raise ValueError(
                 "data.source='hub' needs data.name, the datasets hub name (e.g. 'Skylion007/openwebtext')"

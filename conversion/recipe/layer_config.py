@@ -53,8 +53,9 @@ class LayerConfig:
     """Sparse layer kind: any key of expertize.modeling.LAYER_KINDS (default: the registry's DEFAULT_KIND, MxD)."""
 
     k: int = 32
-    """K: active experts (mxd, routed kinds) or latents (transcoders) per token; for kinds with a top-k only (on a
-    switch to a kind without one, e.g. mumoe_cp, `--set layer.k=null` resets it)."""
+    """K: active experts (mxd, routed kinds) or latents (transcoders) per token; for kinds with a top-k only (a
+    switch to a kind without one resets it: `--set layer.kind=mumoe_cp --set layer.k=null --set
+    layer.num_experts=256`, μMoE also needing its expert count)."""
 
     num_experts: int | None = None
     """N, the number of experts (every kind except transcoders). Give it or `match_transcoder`, not both, unless
@@ -133,7 +134,9 @@ class LayerConfig:
                              f"init: {self.init}")
 
     def _check_fields_apply(self) -> None:
-        """Fields the kind's spec does not have must keep their defaults (e.g. layer.encoder for a transcoder)."""
+        """Fields the kind's spec does not have must keep their defaults (e.g. layer.encoder for a transcoder). The
+        message lists every override a command-line kind switch needs at once (those fields reset, and a unit count
+        the kind requires), so one retry succeeds."""
         spec_fields = spec_field_names(self.kind)
         for name in SPEC_FIELDS_FROM_RECIPE:
             value, default = getattr(self, name), field_default(LayerConfig, name)
@@ -141,10 +144,30 @@ class LayerConfig:
                 kinds = ", ".join(kind for kind in sorted(LAYER_KINDS) if name in spec_field_names(kind))
                 # A kind switch from the command line (--set layer.kind=...) cannot delete a key of the file, but
                 # `--set KEY=null` resets it to its default.
+                resets = [n for n in SPEC_FIELDS_FROM_RECIPE
+                          if n not in spec_fields and getattr(self, n) != field_default(LayerConfig, n)]
+                switch = [f"--set layer.kind={self.kind}", *(f"--set layer.{n}=null" for n in resets)]
+                if self._missing_unit_count():
+                    switch.append(f"--set layer.{self.units_field}=N")
+                why = f" ({self._unit_count_reason()}; e.g. 256)" if self._missing_unit_count() else ""
                 raise ValueError(
-                    f"layer.{name}={value!r} does not apply to layer.kind={self.kind!r}; remove it from the recipe "
-                    f"or override it with --set layer.{name}=null (it applies to kinds: {kinds})"
+                    f"layer.{name}={value!r} does not apply to layer.kind={self.kind!r} (it applies to kinds: "
+                    f"{kinds}); remove it from the recipe, or switch kinds on the command line with "
+                    f"{' '.join(switch)}{why}"
                 )
+
+    def _missing_unit_count(self) -> bool:
+        """The kind needs its unit count given (parameter matching sizes another field, e.g. μMoE's rank) and it is
+        not."""
+        spec_cls = spec_class(self.kind)
+        units = spec_cls.units_field
+        return (spec_cls.size_field() != units and getattr(self, units, None) is None
+                and field_default(spec_cls, units) is dataclasses.MISSING)
+
+    def _unit_count_reason(self) -> str:
+        spec_cls = spec_class(self.kind)
+        return (f"layer.{spec_cls.units_field} is required: layer.match_transcoder sizes the {spec_cls.size_field()} "
+                f"of layer.kind={self.kind!r}, not its {spec_cls.unit_name} count")
 
     def _check_size(self) -> None:
         """Exactly one of the explicit unit count and match_transcoder, unless matching sizes another field."""
@@ -167,8 +190,8 @@ class LayerConfig:
                     f"layer: layer.match_transcoder chooses {match_field} for layer.kind={self.kind!r}; remove "
                     f"layer.options.{match_field} or layer.match_transcoder"
                 )
-            if explicit is None and field_default(spec_cls, units) is dataclasses.MISSING:
-                raise ValueError(f"layer.{units}: required for layer.kind={self.kind!r}")
+            if self._missing_unit_count():
+                raise ValueError(f"{self._unit_count_reason()}; set it, e.g. --set layer.{units}=256")
         if self.match_convention not in spec_cls.match_conventions:
             kinds = [kind for kind, (cls, _) in LAYER_KINDS.items() if self.match_convention in cls.match_conventions]
             raise ValueError(

@@ -1,7 +1,8 @@
 """Reading and writing recipes: the strict YAML loader behind `expertize upcycle RECIPE`.
 
     RECIPE (a YAML file, or the name of a recipe shipped with the package: quickstart, paper/mxd-gpt2-l8-mxd)
-        ─► YAML (floats such as 3e-4 read as numbers; duplicate keys rejected)
+        ─► YAML (floats such as 3e-4 read as numbers; duplicate keys rejected; merge keys `<<: *anchor`; ${VAR}
+            read as text even unquoted in a flow list `[${VAR}/a.txt]`)
         ─► `--set key=value` overrides (dotted keys, values parsed as YAML; `key=null` resets a key that takes
             no null to its default)
         ─► ${VAR} expansion in every string (environment variables; ${EXPERTIZE_ASSETS} defaults to the installed
@@ -49,9 +50,9 @@ def load_recipe(path: str | os.PathLike, overrides: Iterable[str] = ()) -> Recip
     "layers=[2,3]"), expand ${VARS} in strings and validate every key and value."""
     text, source = _read_recipe(path)
     try:
-        tree = yaml.load(text, Loader=_RecipeLoader)
+        tree = read_yaml(text)
     except yaml.YAMLError as e:
-        raise RecipeError(f"{source}: not valid YAML: {e}") from None
+        raise RecipeError(f"{source}: not valid YAML: {_restore_text(str(e))}") from None
     if tree is None:
         raise RecipeError(f"{source}: the recipe is empty; start from one of the shipped recipes (recipes/*.yaml)")
     return recipe_from_dict(tree, overrides, source=source)
@@ -135,18 +136,25 @@ def _read_recipe(path: str | os.PathLike) -> tuple[str, str]:
 
 
 class _RecipeLoader(yaml.SafeLoader):
-    """SafeLoader that reads 3e-4 as a float (YAML 1.2; PyYAML's 1.1 rules need a dot) and rejects duplicate keys."""
+    """SafeLoader that reads 3e-4 as a float (YAML 1.2; PyYAML's 1.1 rules need a dot), rejects duplicate keys and
+    takes merge keys (`<<: *defaults`: the anchored mapping's keys, overridden by the mapping's own)."""
 
-    def construct_mapping(self, node, deep=False):
-        seen = {}
+    def compose_mapping_node(self, anchor):
+        # Duplicates are looked for in the mapping as written, before merge keys are flattened into it (a key that
+        # overrides a merged one is not a duplicate).
+        node = super().compose_mapping_node(anchor)
+        seen: dict[tuple[str, str], int] = {}
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = (key_node.tag, key_node.value)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})", key_node.start_mark
+                    None, None, f"duplicate key {key_node.value!r} (first at line {seen[key] + 1})",
+                    key_node.start_mark,
                 )
             seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
+        return node
 
 
 _RecipeLoader.add_implicit_resolver(
@@ -155,6 +163,31 @@ _RecipeLoader.add_implicit_resolver(
     list("-+0123456789"),
 )
 
+# `${NAME}` is read as a plain run of characters wherever it stands: inside a flow list or mapping (`paths:
+# [${DATA}/x.txt]`) its braces would otherwise be YAML syntax. Each ${NAME} is swapped for a mark made of
+# private-use characters (valid in any YAML scalar, never in a recipe) before parsing and swapped back after.
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
+_MARKED = re.compile(rf"\${_MARK_OPEN}([A-Za-z_][A-Za-z0-9_]*){_MARK_CLOSE}")
+
+
+def _restore_text(text: str) -> str:
+    return _MARKED.sub(r"${\1}", text)
+
+
+def _restore(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {_restore(k): _restore(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_restore(v) for v in value]
+    return _restore_text(value) if isinstance(value, str) else value
+
+
+def read_yaml(text: str) -> Any:
+    """A recipe's YAML (or an override's value) as Python data, with the recipe rules: 3e-4 is a float, duplicate
+    keys are refused, merge keys work, and ${NAME} stays the text `${NAME}` wherever it stands (expanded later)."""
+    marked = _VARIABLE.sub(lambda m: f"${_MARK_OPEN}{m[1]}{_MARK_CLOSE}", text)
+    return _restore(yaml.load(marked, Loader=_RecipeLoader))
+
 
 def _apply_override(tree: dict[str, Any], text: str, src: Source) -> None:
     key, sep, raw_value = text.partition("=")
@@ -162,9 +195,9 @@ def _apply_override(tree: dict[str, Any], text: str, src: Source) -> None:
     if not sep or not key:
         raise RecipeError(f"--set {text}: expected KEY=VALUE with a dotted key, e.g. train.lr=3e-4 or layers=[2,3]")
     try:
-        value = yaml.load(raw_value, Loader=_RecipeLoader)
+        value = read_yaml(raw_value)
     except yaml.YAMLError as e:
-        raise RecipeError(f"--set {text}: the value is not valid YAML: {e}") from None
+        raise RecipeError(f"--set {text}: the value is not valid YAML: {_restore_text(str(e))}") from None
     parts = key.split(".")
     where = f"--set {text}"
     tp: Any = Recipe

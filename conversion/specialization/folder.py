@@ -33,7 +33,7 @@ def split_corpora(
     fit, held, documents = {}, {}, {}
     for name, path in corpora.items():
         if name in eval_corpora:
-            eval_docs = read_documents(name, eval_corpora[name])
+            eval_docs = read_documents(name, eval_corpora[name], "--eval-corpus")
             seen = set(eval_docs)
             fit_docs = [d for d in read_documents(name, path) if d not in seen]
         else:

@@ -158,7 +158,7 @@ class SpecializationReport:
                          f"{r.random_effect.format('+.4f')}")
         summary = []
         if "specificity" in f:
-            summary.append("specificity " + _vs(f["specificity"], f["random_specificity"], ".2f"))
+            summary.append(_specificity_summary(f))
         summary.append("steering effect " + _vs(f["steering_effect"], f["random_steering_effect"], "+.4f"))
         lines += ["", "summary: " + ", ".join(summary)]
         return "\n".join(lines)
@@ -168,6 +168,28 @@ def _vs(figure: Estimate, control: Estimate, spec: str = ".3f") -> str:
     """"figure [lo, hi] (control)", with " n.s." when the figure's interval holds the control's value."""
     flag = "" if significant(figure, control) else " n.s."
     return f"{figure.format(spec)}{flag} (random {format(control.value, spec)})"
+
+
+def _ratio_text(ratio: Estimate, target: Estimate, others: Estimate) -> str:
+    """A specificity for reading: its value and interval when it has a value, else why it has none (ΔCE(others) <=
+    0 makes ΔCE(target) / ΔCE(others) infinite or undefined), with the two ΔCEs it would divide."""
+    if math.isfinite(ratio.value):
+        return ratio.format(".2f")
+    deltas = f"ΔCE target {target.value:+.4f}, others {others.value:+.4f}"
+    if ratio.value > 0:
+        return f"unbounded ({deltas}: only the domains' own text got worse)"
+    return f"undefined ({deltas}: masking made no text worse)"
+
+
+def _specificity_summary(f: dict[str, Estimate]) -> str:
+    """The summary's specificity beside its random control's; "n.s." only where both have a value."""
+    spec, control = f["specificity"], f["random_specificity"]
+    text = _ratio_text(spec, f["mask_delta_target"], f["mask_delta_others"])
+    random = (format(control.value, ".2f") if math.isfinite(control.value)
+              else _ratio_text(control, f["random_mask_delta_target"], f["random_mask_delta_others"]))
+    flag = " n.s." if math.isfinite(spec.value) and math.isfinite(control.value) and not significant(
+        spec, control) else ""
+    return f"specificity {text}{flag} (random {random})"
 
 
 def _finite(obj):

@@ -44,12 +44,14 @@ def split_documents(texts: Iterable[str], seed: int, eval_fraction: float) -> tu
     return fit, held
 
 
-def read_documents(name: str, path: str) -> list[str]:
-    """The documents of a .txt / .jsonl / .parquet corpus (as `expertize inspect` reads them)."""
+def read_documents(name: str, path: str, flag: str = "--corpus") -> list[str]:
+    """The documents of a .txt / .jsonl / .parquet corpus (as `expertize inspect` reads them); errors about the file
+    name `flag` and the corpus."""
+    key = f"{flag} {name}"
     try:
-        docs = list(iter_documents(_data_config(str(path), 8)))
-    except DataError as e:
-        raise SpecializationError(f"corpus {name!r}: {e}") from e
+        docs = list(iter_documents(_data_config(str(path), 8, key), key=key))
+    except DataError as e:  # a file's problem names the flag already
+        raise SpecializationError(str(e) if str(e).startswith(key) else f"corpus {name!r}: {e}") from e
     if not docs:
         raise SpecializationError(f"corpus {name!r} ({path}) has no non-empty document; give a file with text")
     return docs

@@ -127,15 +127,21 @@ def _spliced_state_dict(
 
 def save_model(model: PreTrainedModel, output_dir: str | os.PathLike, tokenizer=None, overwrite: bool = False) -> Path:
     """Save model (safetensors + remote-code files), tokenizer and generation config to `output_dir`, atomically:
-    everything is written to a temporary sibling folder that replaces `output_dir` only once complete."""
+    everything is written to a temporary sibling folder that replaces `output_dir` only once complete.
+
+    `tokenizer` defaults to the base model's, loaded from where `splice` recorded it (`config.name_or_path`): every
+    command that reads the folder (inspect, specialize, eval) needs one. When it cannot be loaded, nothing is written
+    and the error says to pass it; `tokenizer=False` saves the model alone."""
     output_dir = Path(output_dir)
     if output_dir.exists() and not overwrite:
         raise FileExistsError(f"{output_dir} already exists; choose another folder or pass overwrite=True")
+    if tokenizer is None:
+        tokenizer = base_tokenizer(model)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
     try:
         model.save_pretrained(staging)
-        if tokenizer is not None:
+        if tokenizer is not False:
             tokenizer.save_pretrained(staging)
         stale = [p.name for p in staging.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
         assert not stale, f"non-safetensors weights written: {stale}"
@@ -146,6 +152,22 @@ def save_model(model: PreTrainedModel, output_dir: str | os.PathLike, tokenizer=
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return output_dir
+
+
+def base_tokenizer(model: PreTrainedModel):
+    """The tokenizer of the model `model` was spliced from (`config.name_or_path`: a folder or a Hub id); a
+    ValueError naming the fix when there is none to load."""
+    source = getattr(model.config, "name_or_path", "") or ""
+    try:
+        if source:
+            return AutoTokenizer.from_pretrained(source)
+        problem = "the model records no base (config.name_or_path is empty)"
+    except (OSError, ValueError) as e:
+        problem = f"the base model's tokenizer cannot be loaded from {source!r} ({type(e).__name__})"
+    raise ValueError(
+        f"save_model: no tokenizer given and {problem}; pass it, save_model(model, dir, tokenizer) (inspect, "
+        "specialize and eval read it), or save the model alone with tokenizer=False"
+    )
 
 
 def splice_and_save(
