@@ -393,6 +393,7 @@ def test_a_kind_registered_only_here_runs_the_quickstart_end_to_end(tmp_path, ca
     out = tmp_path / "run"
     overrides = [f"layer.kind={TOY_KIND}", "layer.k=4", "layer.match_transcoder=2", f"output_dir={out}",
                  "data.train_tokens=8192", "data.eval_tokens=2048", "train.warmup_steps=2", "train.auxk_coef=0.03",
+                 "train.log_every=2",  # steps 2, 4, 6, 8 in train_log.jsonl (the quickstart logs every 10)
                  "eval.generation_prompts=2"]
     with toy_kind_registered():
         code = main(["upcycle", "quickstart", "--no-progress", *[a for o in overrides for a in ("--set", o)]])
@@ -506,8 +507,7 @@ def _trained_like(kind: str, shape, variant: bool, seed: int):
 def _base_with_layers(family: str, num_layers: int):
     from tests.conftest import tiny_base_config
 
-    config = tiny_base_config(family)
-    config.num_hidden_layers = num_layers
+    config = tiny_base_config(family, num_layers=num_layers)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()
 
