@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ExpertizeError, RunFailed
+from .surgery.families import model_positions  # the family's positions attribute: one rule, re-exported here
 from .training.device import resolve_device
 
 __all__ = [
@@ -167,17 +168,6 @@ def _mb(n: int) -> int:
 # -- context lengths -------------------------------------------------------------------------------------------------
 
 
-def model_positions(config: Any) -> int | None:
-    """How many positions a model reads (`max_position_embeddings`, GPT-2's `n_positions`); None when its config
-    does not say. `config`: a transformers config or a config.json dict."""
-    get = config.get if isinstance(config, dict) else (lambda key: getattr(config, key, None))
-    for key in ("max_position_embeddings", "n_positions"):
-        value = get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
-
-
 def check_context_length(length: int, config: Any, *, setting: str, model: str = "the model") -> None:
     """Refuse a sequence length beyond the model's positions (a learned position embedding has no row for them: an
     IndexError deep inside the forward; rotary models were never trained there). `setting` is how the user gives
@@ -188,8 +178,7 @@ def check_context_length(length: int, config: Any, *, setting: str, model: str =
         given = f"{setting} {length}" if flag else f"{setting}={length}"
         fix = f"{setting} {positions}" if flag else f"--set {setting}={positions}"
         raise ExpertizeError(
-            f"{given} is longer than {model} reads: it has {positions} positions (max_position_embeddings in its "
-            f"config.json); use {fix} or less"
+            f"{given} is longer than {model} reads: it has {positions} positions (its config.json); use {fix} or less"
         )
 
 

@@ -1,11 +1,15 @@
 """The Hub bundle: config, model and sparse layer classes that travel with every saved expertize model."""
 
 from .configuration_expertize import (
+    ExpertizeGemma2Config,
+    ExpertizeGemma3TextConfig,
     ExpertizeGPT2Config,
     ExpertizeGPTNeoXConfig,
     ExpertizeLlamaConfig,
     ExpertizeMistralConfig,
+    ExpertizeOlmo2Config,
     ExpertizeQwen2Config,
+    ExpertizeQwen3Config,
     MlpShape,
 )
 from .modeling_expertize import FAMILIES, ExpertizeModelMixin, Family, register_auto_classes
@@ -32,11 +36,15 @@ __all__ = [
     "FAMILIES",
     "LAYER_KINDS",
     "ExpertizeGPT2Config",
+    "ExpertizeGemma2Config",
+    "ExpertizeGemma3TextConfig",
     "ExpertizeGPTNeoXConfig",
     "ExpertizeLlamaConfig",
     "ExpertizeMistralConfig",
     "ExpertizeModelMixin",
+    "ExpertizeOlmo2Config",
     "ExpertizeQwen2Config",
+    "ExpertizeQwen3Config",
     "Family",
     "MlpShape",
     "MoeXLayer",

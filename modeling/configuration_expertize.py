@@ -8,7 +8,17 @@ Every other field is the native config's, unchanged, so a base checkpoint's conf
 import inspect
 from typing import Any, NamedTuple
 
-from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (
+    Gemma2Config,
+    Gemma3TextConfig,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    MistralConfig,
+    Olmo2Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 # Every bundle file must be a *direct* relative import of both entry files: transformers before PR #46022 (all of 4.x)
 # copies only the entry file's direct relative imports into the module cache when loading from a local folder.
@@ -93,6 +103,13 @@ def _legacy_rope_kwargs(parent: type, kwargs: dict) -> dict:
     kwargs = dict(kwargs)
     rope = dict(kwargs.pop("rope_parameters"))
     legacy = {}
+    if "full_attention" in rope and "rope_local_base_freq" in params:
+        # Gemma 3 keeps one dict per attention type; 4.x reads the global layers' settings as the usual fields and
+        # the local (sliding-window) layers' base as `rope_local_base_freq`.
+        local = rope.get("sliding_attention") or {}
+        if "rope_theta" in local:
+            legacy["rope_local_base_freq"] = local["rope_theta"]
+        rope = dict(rope["full_attention"])
     if "rope_theta" in rope:
         legacy["rotary_emb_base" if "rotary_emb_base" in params else "rope_theta"] = rope.pop("rope_theta")
     if "partial_rotary_factor" in rope:
@@ -155,3 +172,40 @@ class ExpertizeQwen2Config(_SparseLayersConfigMixin, Qwen2Config):
 
     def __init__(self, sparse_layers: dict | None = None, **kwargs):
         _init_config(self, Qwen2Config, sparse_layers, kwargs)
+
+
+class ExpertizeQwen3Config(_SparseLayersConfigMixin, Qwen3Config):
+    model_type = "expertize_qwen3"
+
+    def __init__(self, sparse_layers: dict | None = None, **kwargs):
+        _init_config(self, Qwen3Config, sparse_layers, kwargs)
+
+
+class ExpertizeOlmo2Config(_SparseLayersConfigMixin, Olmo2Config):
+    model_type = "expertize_olmo2"
+
+    def __init__(self, sparse_layers: dict | None = None, **kwargs):
+        _init_config(self, Olmo2Config, sparse_layers, kwargs)
+
+
+class _GemmaMlpShape:
+    """Gemma's configs name the MLP's activation `hidden_activation` (gelu_pytorch_tanh), not `hidden_act`."""
+
+    def mlp_shape(self) -> MlpShape:
+        return MlpShape(self.hidden_size, self.intermediate_size, self.hidden_activation, glu=True)
+
+
+class ExpertizeGemma2Config(_GemmaMlpShape, _SparseLayersConfigMixin, Gemma2Config):
+    model_type = "expertize_gemma2"
+
+    def __init__(self, sparse_layers: dict | None = None, **kwargs):
+        _init_config(self, Gemma2Config, sparse_layers, kwargs)
+
+
+class ExpertizeGemma3TextConfig(_GemmaMlpShape, _SparseLayersConfigMixin, Gemma3TextConfig):
+    """Gemma 3's text-only causal LM (`Gemma3ForCausalLM`: gemma-3-270m, gemma-3-1b; model_type "gemma3_text")."""
+
+    model_type = "expertize_gemma3_text"
+
+    def __init__(self, sparse_layers: dict | None = None, **kwargs):
+        _init_config(self, Gemma3TextConfig, sparse_layers, kwargs)

@@ -17,6 +17,10 @@ from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
+    Gemma2ForCausalLM,
+    Gemma2Model,
+    Gemma3ForCausalLM,
+    Gemma3TextModel,
     GPT2LMHeadModel,
     GPT2Model,
     GPTNeoXForCausalLM,
@@ -25,19 +29,28 @@ from transformers import (
     LlamaModel,
     MistralForCausalLM,
     MistralModel,
+    Olmo2ForCausalLM,
+    Olmo2Model,
+    PreTrainedModel,
     Qwen2ForCausalLM,
     Qwen2Model,
+    Qwen3ForCausalLM,
+    Qwen3Model,
 )
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
 # Every bundle file must be a *direct* relative import of both entry files: transformers before PR #46022 (all of 4.x)
 # copies only the entry file's direct relative imports into the module cache when loading from a local folder.
 from .configuration_expertize import (
+    ExpertizeGemma2Config,
+    ExpertizeGemma3TextConfig,
     ExpertizeGPT2Config,
     ExpertizeGPTNeoXConfig,
     ExpertizeLlamaConfig,
     ExpertizeMistralConfig,
+    ExpertizeOlmo2Config,
     ExpertizeQwen2Config,
+    ExpertizeQwen3Config,
 )
 from .moe_x import MoeXLayer  # noqa: F401
 from .monet import MonetLayer  # noqa: F401
@@ -47,6 +60,10 @@ from .routed_neurons import RoutedNeuronsLayer  # noqa: F401
 from .sparse_base import SparseLayer
 from .sparse_layers import build_sparse_layer
 from .transcoder import TranscoderLayer  # noqa: F401
+
+
+_INIT_KNOWS_CUSTOM_CODE = "is_custom_code" in inspect.signature(PreTrainedModel._initialize_weights).parameters
+"""transformers 5 passes `is_custom_code` to `_initialize_weights`; 4.x's takes the module only."""
 
 
 def _native_forward_signature(native_forward) -> inspect.Signature:
@@ -117,6 +134,8 @@ class ExpertizeModelMixin:
         # also drops inits a parent module does for its children — GPT-2's 1/√(2·n_layer) c_proj scaling, done in
         # GPT2Attention / GPT2MLP — on the lazy (meta-device) path. Every init here goes through torch.nn.init or
         # transformers' init functions, which never overwrite loaded weights, so the native rule applies.
+        if not _INIT_KNOWS_CUSTOM_CODE:  # transformers 4.x: no custom-code rule to undo
+            return super()._initialize_weights(module)
         super()._initialize_weights(module, is_custom_code=False)
 
     def transformer_blocks(self) -> nn.ModuleList:
@@ -371,11 +390,95 @@ class ExpertizeQwen2ForCausalLM(ExpertizeCausalLMMixin, Qwen2ForCausalLM):
         self._adopt_base_model()
 
 
+class ExpertizeQwen3Model(ExpertizeBaseModelMixin, Qwen3Model):
+    config_class = ExpertizeQwen3Config
+    _blocks_path = "layers"
+
+    def __init__(self, config: ExpertizeQwen3Config):
+        super().__init__(config)
+        self._install_sparse_layers()
+
+
+class ExpertizeQwen3ForCausalLM(ExpertizeCausalLMMixin, Qwen3ForCausalLM):
+    config_class = ExpertizeQwen3Config
+    _blocks_path = "model.layers"
+    _base_class, _base_attr = ExpertizeQwen3Model, "model"
+
+    def __init__(self, config: ExpertizeQwen3Config):
+        super().__init__(config)
+        self._adopt_base_model()
+
+
+# -- OLMo-2 (`model.layers[i].mlp`; no norm before the MLP, `post_feedforward_layernorm` after it) -------------------
+
+
+class ExpertizeOlmo2Model(ExpertizeBaseModelMixin, Olmo2Model):
+    config_class = ExpertizeOlmo2Config
+    _blocks_path = "layers"
+
+    def __init__(self, config: ExpertizeOlmo2Config):
+        super().__init__(config)
+        self._install_sparse_layers()
+
+
+class ExpertizeOlmo2ForCausalLM(ExpertizeCausalLMMixin, Olmo2ForCausalLM):
+    config_class = ExpertizeOlmo2Config
+    _blocks_path = "model.layers"
+    _base_class, _base_attr = ExpertizeOlmo2Model, "model"
+
+    def __init__(self, config: ExpertizeOlmo2Config):
+        super().__init__(config)
+        self._adopt_base_model()
+
+
+# -- Gemma 2 and Gemma 3 text (`model.layers[i].mlp` between `pre_feedforward_layernorm` and
+#    `post_feedforward_layernorm`; scaled embeddings, soft-capped logits, RMSNorm scaling by 1 + weight) ------------
+
+
+class ExpertizeGemma2Model(ExpertizeBaseModelMixin, Gemma2Model):
+    config_class = ExpertizeGemma2Config
+    _blocks_path = "layers"
+
+    def __init__(self, config: ExpertizeGemma2Config):
+        super().__init__(config)
+        self._install_sparse_layers()
+
+
+class ExpertizeGemma2ForCausalLM(ExpertizeCausalLMMixin, Gemma2ForCausalLM):
+    config_class = ExpertizeGemma2Config
+    _blocks_path = "model.layers"
+    _base_class, _base_attr = ExpertizeGemma2Model, "model"
+
+    def __init__(self, config: ExpertizeGemma2Config):
+        super().__init__(config)
+        self._adopt_base_model()
+
+
+class ExpertizeGemma3TextModel(ExpertizeBaseModelMixin, Gemma3TextModel):
+    config_class = ExpertizeGemma3TextConfig
+    _blocks_path = "layers"
+
+    def __init__(self, config: ExpertizeGemma3TextConfig):
+        super().__init__(config)
+        self._install_sparse_layers()
+
+
+class ExpertizeGemma3ForCausalLM(ExpertizeCausalLMMixin, Gemma3ForCausalLM):
+    config_class = ExpertizeGemma3TextConfig
+    _blocks_path = "model.layers"
+    _base_class, _base_attr = ExpertizeGemma3TextModel, "model"
+
+    def __init__(self, config: ExpertizeGemma3TextConfig):
+        super().__init__(config)
+        self._adopt_base_model()
+
+
 class Family(NamedTuple):
     """One supported model family: the expertize classes that wrap its native transformers classes.
 
     A new family adds its config class (configuration_expertize.py), its two model classes above and one row of
-    `FAMILIES`; the conversion side adds its LoRA defaults in expertize.conversion.surgery.families.
+    `FAMILIES`; the conversion side adds its row of facts (LoRA targets, MLP child names, final norm, positions, logit
+    soft cap) in expertize.conversion.surgery.families.
     """
 
     config_class: type
@@ -399,6 +502,10 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(ExpertizeLlamaConfig, ExpertizeLlamaModel, ExpertizeLlamaForCausalLM),
     "mistral": Family(ExpertizeMistralConfig, ExpertizeMistralModel, ExpertizeMistralForCausalLM),
     "qwen2": Family(ExpertizeQwen2Config, ExpertizeQwen2Model, ExpertizeQwen2ForCausalLM),
+    "qwen3": Family(ExpertizeQwen3Config, ExpertizeQwen3Model, ExpertizeQwen3ForCausalLM),
+    "olmo2": Family(ExpertizeOlmo2Config, ExpertizeOlmo2Model, ExpertizeOlmo2ForCausalLM),
+    "gemma2": Family(ExpertizeGemma2Config, ExpertizeGemma2Model, ExpertizeGemma2ForCausalLM),
+    "gemma3_text": Family(ExpertizeGemma3TextConfig, ExpertizeGemma3TextModel, ExpertizeGemma3ForCausalLM),
 }
 
 for _config_cls, _base_cls, _causal_cls in FAMILIES.values():

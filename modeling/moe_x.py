@@ -315,6 +315,10 @@ class MoeXLayer(SparseLayer):
     def num_units(self) -> int:
         return self.spec.num_experts * self.spec.d_expert
 
+    @property
+    def output_bias(self) -> nn.Parameter:
+        return self.b_dec  # added to every token's output
+
     def reset_parameters(self) -> None:
         """nn.Linear's default init for every expert's encoder and the switch router, W_dec per `decoder_init`;
         zero biases (the trainer sets b_dec to the mean MLP output). Upcycling overwrites these

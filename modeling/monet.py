@@ -267,6 +267,10 @@ class MonetLayer(SparseLayer):
     def num_units(self) -> int:
         return self.spec.num_experts
 
+    @property
+    def output_bias(self) -> nn.Parameter:
+        return self.b_dec  # added to every token's output
+
     def split_expert_id(self, expert: int) -> tuple[int, int]:
         """(i, j): the router-1 and router-2 sub-experts of product expert `expert` = i·S + j."""
         (expert,) = self._check_units([expert])

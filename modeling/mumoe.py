@@ -392,6 +392,10 @@ class MuMoELayer(SparseLayer):
     def num_units(self) -> int:
         return self.spec.num_experts
 
+    @property
+    def output_bias(self) -> nn.Parameter:
+        return self.b_dec  # added to every token's output
+
     def reset_parameters(self) -> None:
         """Gate G = 0 (reference code: the normalized logits start at 0, so a starts uniform at 1/N); the dense
         encoder as MxD's (nn.Linear default E and E_glu, b_E = 0); the maps' paper init, except that by default

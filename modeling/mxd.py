@@ -161,6 +161,10 @@ class MxdLayer(SparseLayer):
     def num_units(self) -> int:
         return self.spec.num_experts
 
+    @property
+    def output_bias(self) -> nn.Parameter:
+        return self.b_dec  # added to every token's output
+
     def reset_parameters(self) -> None:
         """The paper's init (§B.4.1, reference code): nn.Linear defaults for E, E_glu, G and C; b_E = b_G = 0;
         D = 0 (so the layer starts as the constant b_dec, which the trainer sets to the mean MLP output)."""

@@ -169,6 +169,10 @@ class RoutedNeuronsLayer(SparseLayer):
     def num_units(self) -> int:
         return self.spec.num_experts
 
+    @property
+    def output_bias(self) -> nn.Parameter:
+        return self.b_dec  # added to every token's output
+
     def reset_parameters(self) -> None:
         """The reference code's init: neuron input rows and biases U(±1/√I); router and shared input layer as
         nn.Linear defaults; b_dec = 0. Output rows: zero (`decoder_init='zeros'`, the default) or the reference code's

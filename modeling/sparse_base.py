@@ -98,6 +98,11 @@ def arxiv_bibtex(key: str, *, title: str, authors: list[str], year: int, arxiv_i
     return f"@article{{{key},\n{body}\n}}"
 
 
+UNITS_FIELDS = ("num_experts", "num_latents")
+"""The names a spec's `units_field` may have: the recipe's `layer:` section has a setting of each name (a kind's unit
+count is set there, or sized by `layer.match_transcoder`)."""
+
+
 @dataclasses.dataclass
 class SparseSpec:
     """Hyperparameters of one sparse layer. Subclasses add fields and set `kind`.
@@ -107,6 +112,15 @@ class SparseSpec:
     """
 
     kind: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        # Checked where the kind is written, not where a recipe first reads it.
+        if cls.units_field not in UNITS_FIELDS:
+            raise TypeError(
+                f"{cls.__name__}.units_field={cls.units_field!r}: a kind's units_field must be one of "
+                f"{list(UNITS_FIELDS)} (the recipe settings that size a layer); name the unit count field so"
+            )
 
     # -- Kind facts -------------------------------------------------------------------------------------------------
     # What the recipe, the model card and the docs know about a kind, declared once on its spec class: a new kind
@@ -215,8 +229,9 @@ class SparseSpec:
 
     @classmethod
     def matched_size(cls, fields: dict[str, Any], num_latents: int, convention: str) -> int | None:
-        """`size_field()`'s value under a parameter-matching convention other than "exact" (listed in
-        `match_conventions`) for a transcoder of `num_latents` latents; None: the exact search applies."""
+        """`size_field()`'s value under a parameter-matching convention (one of `match_conventions`) for a transcoder
+        of `num_latents` latents, where the kind has a rule of its own (a transcoder: exactly `num_latents`; MxD's
+        "paper" convention); None: the exact search (the largest value within the transcoder's parameter count)."""
         return None
 
     def num_parameters(self) -> int:
@@ -380,6 +395,35 @@ class SparseLayer(nn.Module):
     def directions_from_means(self, means: torch.Tensor) -> torch.Tensor:
         """(U, F) per-unit means of `direction_terms` -> (U, O) output directions."""
         raise NotImplementedError
+
+    def hidden(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The layer's hidden code z (T, H), for kinds with `token_directions`: their forward computes z by calling
+        this method once per forward (inspection reads z by wrapping it, never recomputing it; `direction_terms`
+        takes it). Kinds without token directions need not have it."""
+        raise NotImplementedError(
+            f"{self.spec.kind} layers have no hidden code: a kind with token_directions = True defines hidden() and "
+            "calls it in its forward"
+        )
+
+    # -- what training asks (conversion/training/ reads these; it never switches on the kind) ----------------------
+
+    @property
+    def output_bias(self) -> nn.Parameter | None:
+        """The (O,) bias every token's output adds (`y = ... + b`), which distillation starts at the mean MLP output
+        of the first batch (the MxD paper's init of b_dec; `DistillTask.first_batch`), or None where the kind has
+        none (the trainer then leaves the layer's init as it is). A kind with such a bias returns its parameter."""
+        return None
+
+    supports_auxk = False
+    """Whether dead units can model the residual error through `auxk_reconstruction` (AuxK, Gao et al. 2024;
+    conversion/training/auxk.py): kinds whose units are chosen by a top-k over their own parameters."""
+
+    def auxk_reconstruction(self, x: torch.Tensor, dead_mask: torch.Tensor, k_aux: int) -> torch.Tensor:
+        """AuxK's ê: what the `k_aux` highest-ranked *dead* units (`dead_mask` (N,) bool) would add to the output for
+        input x, without the output bias: (..., I) -> (..., O). Gradients reach only those units' parameters. The
+        training forward may keep its dense pre-activations for it (`keep_for_auxk`, `_keep` / `_take_kept`). Kinds
+        that set `supports_auxk` define it."""
+        raise NotImplementedError(f"{self.spec.kind} layers have no AuxK (supports_auxk is False)")
 
     # -- starting from a dense MLP (the spec's init_modes besides "default"; conversion/surgery/dense_init.py) ------
 

@@ -66,6 +66,12 @@ class TranscoderSpec(SparseSpec):
                 "latents than exist; lower k or raise num_latents"
             )
 
+    @classmethod
+    def matched_size(cls, fields: dict, num_latents: int, convention: str) -> int:
+        """A transcoder matched to a transcoder of `num_latents` latents has exactly that many (a skip transcoder
+        too: its skip path comes on top, as in Paulo et al.'s comparisons)."""
+        return num_latents
+
     def num_parameters(self) -> int:
         I, O, L = self.d_in, self.d_out, self.num_latents
         return L * (I + 1) + L * O + O + (I * O if self.skip_connection else 0)
@@ -126,6 +132,10 @@ class TranscoderLayer(SparseLayer):
     @property
     def num_units(self) -> int:
         return self.spec.num_latents
+
+    @property
+    def output_bias(self) -> nn.Parameter:
+        return self.b_dec  # added to every token's output
 
     def reset_parameters(self) -> None:
         """nn.Linear defaults for the encoder and decoder (MxD paper's baselines); b_enc = b_dec = 0.

@@ -7,36 +7,12 @@ native model's.
 """
 
 import torch
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    GPT2Model,
-    GPTNeoXConfig,
-    GPTNeoXForCausalLM,
-    GPTNeoXModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    LlamaModel,
-    MistralConfig,
-    MistralForCausalLM,
-    MistralModel,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen2Model,
-)
 
 from expertize.modeling import FAMILIES
+from tests.families import ROWS, Sizes
 from tests.kinds import tiny_spec
 
 SPARSE_LAYER = 1
-
-NATIVE = {
-    "gpt2": (GPT2Config, GPT2Model, GPT2LMHeadModel),
-    "gpt_neox": (GPTNeoXConfig, GPTNeoXModel, GPTNeoXForCausalLM),
-    "llama": (LlamaConfig, LlamaModel, LlamaForCausalLM),
-    "mistral": (MistralConfig, MistralModel, MistralForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2Model, Qwen2ForCausalLM),
-}
 
 
 def _ids(shape, low, high, seed):
@@ -61,7 +37,10 @@ class FamilyTester:
 
     def __init__(self, parent, family: str, kind: str | None):
         self.parent, self.family, self.kind = parent, family, kind
-        native_config, native_base, native_causal = NATIVE[family]
+        self.row = ROWS[family]
+        for name, value in self.row.tester.items():  # sizes the family needs (e.g. GPT-NeoX's heads)
+            setattr(self, name, value)
+        native_config, native_base, native_causal = self.row.native
         self.native_config_class, self.native_causal_lm_class = native_config, native_causal
         self.native_model_classes = (native_base, native_causal)
         if kind is None:
@@ -71,28 +50,19 @@ class FamilyTester:
             self.config_class, self.base_model_class, self.causal_lm_class = (
                 fam.config_class, fam.base_model_class, fam.causal_lm_class,
             )
-        self.use_token_type_ids = family == "gpt2"  # GPT-2's forward takes them (its tester sends them)
-        if family == "gpt_neox":
-            # Two heads of 16: GPT-NeoX rotates a quarter of each head, and dynamic RoPE needs a rotary dim > 2.
-            self.num_attention_heads = 2
+        self.use_token_type_ids = self.row.token_type_ids  # GPT-2's forward takes them (its tester sends them)
 
     @property
     def all_model_classes(self):
         return (self.base_model_class, self.causal_lm_class)
 
     def native_config_kwargs(self) -> dict:
-        common = dict(vocab_size=self.vocab_size, pad_token_id=self.pad_token_id, bos_token_id=self.bos_token_id,
-                      eos_token_id=self.eos_token_id)
-        if self.family == "gpt2":
-            return dict(common, n_embd=self.hidden_size, n_layer=self.num_hidden_layers,
-                        n_head=self.num_attention_heads, n_inner=self.intermediate_size, activation_function="gelu",
-                        n_positions=self.max_position_embeddings)
-        kwargs = dict(common, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                      num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-                      hidden_act="gelu", max_position_embeddings=self.max_position_embeddings)
-        if self.family != "gpt_neox":
-            kwargs["num_key_value_heads"] = self.num_key_value_heads
-        return kwargs
+        sizes = Sizes(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                      intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+                      num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+                      max_position_embeddings=self.max_position_embeddings, activation="gelu")
+        return dict(self.row.spell(sizes), **self.row.tiny, pad_token_id=self.pad_token_id,
+                    bos_token_id=self.bos_token_id, eos_token_id=self.eos_token_id)
 
     def config_kwargs(self) -> dict:
         kwargs = self.native_config_kwargs()

@@ -14,57 +14,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from transformers import (  # noqa: E402
-    AutoModelForCausalLM,
-    GPT2Config,
-    GPTNeoXConfig,
-    LlamaConfig,
-    MistralConfig,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-)
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+
+from tests.families import FAMILY_NAMES, ROWS, Sizes  # noqa: E402, F401 (FAMILY_NAMES: re-exported for the tests)
 
 VOCAB = 99
 D_MODEL = 32
 D_HIDDEN = 37
 
 
-def tiny_base_config(family: str):
-    """transformers' own tiny-tester sizes (vocab 99, hidden 32, 2 layers, intermediate 37)."""
-    llama_like = dict(
-        vocab_size=VOCAB,
-        hidden_size=D_MODEL,
-        intermediate_size=D_HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return {
-        "gpt2": lambda: GPT2Config(
-            vocab_size=VOCAB, n_embd=D_MODEL, n_layer=2, n_head=2, n_inner=D_HIDDEN, n_positions=64, bos_token_id=1,
-            eos_token_id=2,
-        ),
-        "gpt_neox": lambda: GPTNeoXConfig(
-            vocab_size=VOCAB,
-            hidden_size=D_MODEL,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=D_HIDDEN,
-            max_position_embeddings=64,
-            bos_token_id=1,
-            eos_token_id=2,
-        ),
-        "llama": lambda: LlamaConfig(**llama_like),
-        "mistral": lambda: MistralConfig(**llama_like),
-        "qwen2": lambda: Qwen2Config(**llama_like),
-    }[family]()
-
-
-FAMILY_NAMES = ["gpt2", "gpt_neox", "llama", "mistral", "qwen2"]
+def tiny_base_config(family: str, num_layers: int = 2, **fields):
+    """transformers' own tiny-tester sizes (vocab 99, hidden 32, 2 layers, intermediate 37, 2 heads), the family's
+    own activation and defaults (tests/families.py); `fields` override config fields."""
+    sizes = Sizes(vocab_size=VOCAB, hidden_size=D_MODEL, intermediate_size=D_HIDDEN, num_hidden_layers=num_layers,
+                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    return ROWS[family].config(sizes, **{"bos_token_id": 1, "eos_token_id": 2, **fields})
 
 
 def tiny_base_model(family: str, seed: int = 0):
@@ -193,7 +157,7 @@ assert not info["missing_keys"] and not info["mismatched_keys"], info
 assert info["unexpected_keys"] <= {"lm_head.weight", "embed_out.weight"}, info
 with torch.no_grad():
     hidden = base(ref["input_ids"]).last_hidden_state
-    torch.testing.assert_close(model.get_output_embeddings()(hidden), ref["logits"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden, ref["hidden"], rtol=1e-5, atol=1e-5)
 sparse = [type(b.mlp).__name__ for b in model.%(blocks)s]
 try:
     AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False)
@@ -214,8 +178,10 @@ def check_remote_roundtrip(model, tmp_path: Path, blocks: str, tokenizer=None) -
     input_ids = torch.randint(4, 99, (2, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits = model(input_ids).logits
+        hidden = model.base_model(input_ids).last_hidden_state  # what the headless AutoModel must give
     greedy = model.generate(input_ids[:1, :3], max_new_tokens=4, do_sample=False)[0].tolist()
     save_model(model, tmp_path / "model", tokenizer=tokenizer or tiny_tokenizer())
-    torch.save({"input_ids": input_ids, "logits": logits, "greedy": greedy}, tmp_path / "reference.pt")
+    torch.save({"input_ids": input_ids, "logits": logits, "hidden": hidden, "greedy": greedy},
+               tmp_path / "reference.pt")
     out = run_isolated(REMOTE_CHECK % {"blocks": blocks}, tmp_path)
     return json.loads(out.strip().splitlines()[-1]), input_ids, logits

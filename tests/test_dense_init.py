@@ -15,24 +15,34 @@ from expertize.conversion.surgery.dense_init import (
     partition_neurons,
     spec_for_dense,
 )
-from expertize.modeling import MlpShape, MoeXLayer, TranscoderSpec, build_sparse_layer
-from tests.conftest import D_HIDDEN, D_MODEL, tiny_base_model
+from expertize.conversion.surgery.splice import splice
+from expertize.modeling import LAYER_KINDS, MlpShape, MoeXLayer, TranscoderSpec, build_sparse_layer
+from tests.conftest import D_HIDDEN, D_MODEL, FAMILY_NAMES, VOCAB, tiny_base_model
+from tests.families import MLP_FORMS, ROWS
 
-# dense_init names no kind; these tests are MoE-X's.
+# dense_init names no kind; these tests are MoE-X's, but for the kind-agnostic exactness check below.
 moe_x_from_dense = partial(layer_from_dense, "moe_x")
 moe_x_spec_for_mlp = partial(spec_for_dense, "moe_x")
 
-FAMILIES = ["gpt2", "gpt_neox", "llama", "mistral", "qwen2"]
-BASE_ACTIVATION = {"gpt2": "gelu_new", "gpt_neox": "gelu", "llama": "silu", "mistral": "silu", "qwen2": "silu"}
+FAMILIES = FAMILY_NAMES
+SPLIT_KINDS = [kind for kind, (spec_cls, _) in LAYER_KINDS.items() if "split" in spec_cls.init_modes]
+
+
+def _model(family: str) -> torch.nn.Module:
+    """The family's tiny base model in float64, with random biases and norm weights (a dropped or misplaced bias,
+    or a norm read at its init value, then shows)."""
+    model = tiny_base_model(family).double()
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name or ".ln_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5 + (0 if name.endswith("bias") else
+                                                                                     p.mean()))
+    return model
 
 
 def _mlps(family: str) -> list[torch.nn.Module]:
-    model = tiny_base_model(family).double()
-    with torch.no_grad():  # random biases, so a dropped or misplaced bias shows
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.5)
-    return [block.mlp for block in decoder_blocks(model)]
+    return [block.mlp for block in decoder_blocks(_model(family))]
 
 
 def _x(T: int = 64) -> torch.Tensor:
@@ -44,9 +54,8 @@ def test_dense_mlp_reads_every_family(family):
     mlp = _mlps(family)[0]
     dense = dense_mlp(mlp)
     assert dense.shape == (D_MODEL, D_HIDDEN, D_MODEL)
-    assert dense.activation == BASE_ACTIVATION[family]
-    assert dense.glu == (family not in ("gpt2", "gpt_neox"))
-    assert dense.has_bias == (family in ("gpt2", "gpt_neox"))
+    row = ROWS[family]
+    assert (dense.activation, dense.glu, dense.has_bias) == (row.activation, row.glu, row.bias)
 
 
 @pytest.mark.parametrize("clustering", ["random", "balanced_kmeans"])
@@ -60,6 +69,23 @@ def test_split_with_all_experts_reproduces_the_dense_mlp_exactly(family, num_exp
         assert layer.spec.d_expert == -(-D_HIDDEN // num_experts)  # 37 / 4 -> 10: three zero slots
         with torch.no_grad():
             torch.testing.assert_close(layer(x), mlp(x), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", SPLIT_KINDS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dense_initialised_splice_gives_the_native_logits(family, kind):
+    """The oracle for a family's surgery: every MLP replaced by a layer split from it (all units on) gives the native
+    model's logits, so the MLP the layer reads and writes is the module whose output the family's block post-norms
+    (Gemma, OLMo-2), and dense_init reads its weights and activation right."""
+    model = _model(family)
+    blocks = decoder_blocks(model)
+    layers = {i: layer_from_dense(kind, blocks[i].mlp, "split", 4) for i in range(len(blocks))}
+    spliced = splice(model, layers)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        native, ours = model(ids).logits, spliced(ids).logits
+    assert type(spliced).__name__.startswith("Expertize") and len(spliced.sparse_layers()) == len(blocks)
+    torch.testing.assert_close(ours, native, rtol=1e-10, atol=1e-10)
 
 
 def test_split_padding_slots_are_zero():
@@ -84,7 +110,7 @@ def test_split_with_fewer_experts_active_is_a_sparse_approximation():
         assert layer.encode(x).top_k_index.shape == (64, 2 * 10)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", MLP_FORMS)
 def test_partitions_cover_every_neuron_once_and_kmeans_groups_similar_neurons(family):
     dense = dense_mlp(_mlps(family)[0])
     rows = torch.nn.functional.normalize(
@@ -103,7 +129,7 @@ def test_partitions_cover_every_neuron_once_and_kmeans_groups_similar_neurons(fa
     assert spread(partition_neurons(dense, 4, "balanced_kmeans", seed=3)) < 0.95 * random_spread
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "llama"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_copy_without_noise_is_exact_but_every_token_ties_onto_the_same_experts(family):
     mlp = _mlps(family)[0]
     x = _x(200)
@@ -115,7 +141,7 @@ def test_copy_without_noise_is_exact_but_every_token_ties_onto_the_same_experts(
     assert len(used) == 2  # identical experts: TopK's tie-breaking picks the same two for every token
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "llama"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_copy_with_noise_spreads_tokens_and_stays_close(family):
     mlp = _mlps(family)[0]
     x = _x(200)
@@ -194,7 +220,8 @@ def test_bad_arguments():
         moe_x_from_dense(mlp, "split", 40)
     with pytest.raises(ValueError, match=r"noise_std must be >= 0"):
         moe_x_from_dense(mlp, "copy", 4, noise_std=-1.0)
-    with pytest.raises(ValueError, match=r"cannot read the dense MLP Linear .*supported layouts are GPT-2"):
+    with pytest.raises(ValueError, match=r"cannot read the dense MLP Linear .*supported families' MLPs have the "
+                       r"children c_fc, c_proj; .*gate_proj, up_proj, down_proj"):
         dense_mlp(torch.nn.Linear(4, 4))
 
 

@@ -131,6 +131,20 @@ def _recipe_keys() -> dict[str, str]:
     return keys
 
 
+def test_every_model_family_is_documented():
+    """README's first paragraph and docs/native.md's families table name every family of the family table (which
+    tests/test_splice_roundtrip.py holds equal to the bundle's FAMILIES); native.md gives each its model_type."""
+    from tests.families import ROWS
+
+    intro = README.read_text().split("\n## ")[0]
+    native = (REPO / "docs" / "native.md").read_text()
+    assert not [row.title for row in ROWS.values() if row.title not in intro], "README.md's first paragraph"
+    rows = {line.split("|")[2].strip() for line in native.splitlines()
+            if line.startswith("| ") and line.count("|") > 3}
+    assert not [f for f in ROWS if f"`{f}`" not in rows], "docs/native.md's families table (model_type column)"
+    assert not [row.title for row in ROWS.values() if row.title not in native], "docs/native.md"
+
+
 def test_every_recipe_key_is_documented_with_its_default():
     keys = _recipe_keys()
     assert {"layer.kind", "data.paths", "train.lr", "heal.rest", "eval.lm_eval_tasks", "variants[].name"} <= set(keys)

@@ -21,15 +21,10 @@ from expertize.conversion.training.losses import (
 )
 from expertize.conversion.recipe import EvalConfig
 from expertize.modeling import SparseCode, SparseLayer, SparseSpec
-from tests.conftest import D_MODEL, VOCAB, tiny_base_model
+from tests.conftest import D_MODEL, FAMILY_NAMES, VOCAB, tiny_base_model
+from tests.families import ROWS
 
-FAMILIES = ["gpt2", "gpt_neox", "llama"]
-# Per family: (MLP input norm, attention module, final norm) below the decoder block / model.
-NORMS = {
-    "gpt2": ("ln_2", "attn", "transformer.ln_f"),
-    "gpt_neox": ("post_attention_layernorm", "attention", "gpt_neox.final_layer_norm"),
-    "llama": ("post_attention_layernorm", "self_attn", "model.norm"),
-}
+FAMILIES = FAMILY_NAMES
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -99,10 +94,25 @@ def test_next_token_ce_and_kl_hand_computed():
 # Capture: exactly what the MLP reads and writes, and nothing above the last target MLP runs
 
 
+def _randomized_norms(model):
+    """Norm weights away from their init (ones, or Gemma's zeros), so that a norm skipped or applied twice shows."""
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or ".ln_" in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_capture_is_mlp_input_and_output(family):
-    model = tiny_base_model(family)
-    norm_name, attn_name, _ = NORMS[family]
+    """What capture records is what the family's block feeds its MLP and what the MLP returns before any norm of its
+    output, rebuilt here from the native block's modules (tests/families.py): GPT-2 / Llama-likes norm the stream
+    after attention, GPT-NeoX norms the block input (parallel residual), Gemma norms the attention output, adds it
+    and norms again (`pre_feedforward_layernorm`), OLMo-2 feeds the stream itself; Gemma and OLMo-2 norm the MLP's
+    output (`post_feedforward_layernorm`) before the residual add, which the block output must show."""
+    row = ROWS[family]
+    model = _randomized_norms(tiny_base_model(family))
     blocks = decoder_blocks(model)
     ids = torch.randint(0, VOCAB, (2, 9))
     seen = {}
@@ -116,35 +126,38 @@ def test_capture_is_mlp_input_and_output(family):
 
     handles = []
     for i, block in enumerate(blocks):
-        handles.append(block.get_submodule(norm_name).register_forward_hook(keep(("norm", i)), with_kwargs=True))
-        handles.append(block.get_submodule(attn_name).register_forward_hook(keep(("attn", i)), with_kwargs=True))
+        handles.append(block.register_forward_hook(keep(("block", i)), with_kwargs=True))
+        handles.append(block.get_submodule(row.attention).register_forward_hook(keep(("attn", i)), with_kwargs=True))
     with torch.no_grad():
-        hidden = model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states  # block inputs
+        model(input_ids=ids, use_cache=False)
     for handle in handles:
         handle.remove()
 
+    def norm(name, h):
+        return h if name is None else blocks[i].get_submodule(name)(h)
+
     captured = MlpCapture(model, [0, 1])(ids)
-    for i, block in enumerate(blocks):
-        x, y = captured[i]
-        assert x.shape == y.shape == (2 * 9, D_MODEL)
-        norm_in, norm_out = seen[("norm", i)]
-        _, attn_out = seen[("attn", i)]
-        torch.testing.assert_close(x, norm_out.reshape(-1, D_MODEL), rtol=0, atol=0)
-        if family == "gpt_neox":  # parallel residual: the MLP reads the norm of the block input itself
-            torch.testing.assert_close(norm_in, hidden[i], rtol=0, atol=0)
-            expected_x = block.post_attention_layernorm(hidden[i])
-        else:  # sequential: the norm of block input + attention output
-            torch.testing.assert_close(norm_in, hidden[i] + attn_out)
-            expected_x = block.get_submodule(norm_name)(hidden[i] + attn_out)
-        torch.testing.assert_close(x, expected_x.reshape(-1, D_MODEL))
-        with torch.no_grad():
+    with torch.no_grad():
+        for i, block in enumerate(blocks):
+            x, y = captured[i]
+            assert x.shape == y.shape == (2 * 9, D_MODEL)
+            block_in, block_out = seen[("block", i)]
+            attn_out = seen[("attn", i)][1]
+            if row.parallel:  # the MLP reads the norm of the block input itself
+                mid, expected_x = block_in + attn_out, norm(row.mlp_norm, block_in)
+            else:  # sequential: the stream after attention (its output normed first, where the family does)
+                mid = block_in + norm(row.attention_out_norm, attn_out)
+                expected_x = norm(row.mlp_norm, mid)
+            torch.testing.assert_close(x, expected_x.reshape(-1, D_MODEL))
             torch.testing.assert_close(y, block.mlp(x))
+            expected_out = mid + norm(row.mlp_out_norm, y.reshape(block_out.shape))
+            torch.testing.assert_close(block_out, expected_out)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_capture_stops_after_last_target_mlp(family):
     model = tiny_base_model(family)
-    final_norm = model.get_submodule(NORMS[family][2])
+    final_norm = model.get_submodule(ROWS[family].final_norm)
     ran = []
     handles = [
         decoder_blocks(model)[1].register_forward_pre_hook(lambda *_: ran.append("block 1")),

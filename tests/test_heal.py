@@ -14,7 +14,7 @@ from expertize.conversion.recipe import HealConfig, recipe_from_dict
 from expertize.conversion.surgery.splice import load_expertize_model, splice
 from expertize.conversion.upcycle import upcycle
 from expertize.modeling import MxdSpec, build_sparse_layer
-from tests.conftest import D_HIDDEN, D_MODEL, tiny_base_model, tiny_tokenizer
+from tests.conftest import D_HIDDEN, D_MODEL, FAMILY_NAMES, tiny_base_model, tiny_tokenizer
 
 
 def _spliced(family: str):
@@ -24,7 +24,7 @@ def _spliced(family: str):
     return splice(tiny_base_model(family), {1: layer})
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "llama"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_lora_adapter_trains_saves_reloads_and_merges(family, tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
 

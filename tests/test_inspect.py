@@ -9,7 +9,8 @@ from expertize.conversion.inspection import InspectionSettings, collect_stats
 from expertize.conversion.inspection.effects import final_norm
 from expertize.conversion.surgery.splice import splice
 from expertize.modeling import build_sparse_layer
-from tests.conftest import D_MODEL, VOCAB, tiny_base_model
+from tests.conftest import D_MODEL, FAMILY_NAMES, VOCAB, tiny_base_model
+from tests.families import ROWS
 from tests.kinds import KINDS, tiny_spec
 
 D = D_MODEL
@@ -141,6 +142,8 @@ def test_top_contexts_do_not_depend_on_the_batch_size():
 
 
 def _vocab_logits(model, direction: torch.Tensor) -> torch.Tensor:
+    """W_U · N(d) with N the linear part of a LayerNorm or plain RMSNorm final norm (centre for LayerNorm, scale by the
+    weight), for the tests on one such family (GPT-2); every family's own norm: `_native_norm_logits`."""
     norm = final_norm(model)
     d = direction.double()
     if isinstance(norm, torch.nn.LayerNorm):
@@ -148,17 +151,33 @@ def _vocab_logits(model, direction: torch.Tensor) -> torch.Tensor:
     return model.get_output_embeddings().weight.double() @ (norm.weight.double() * d)  # (V,)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])  # LayerNorm and RMSNorm
+def _native_norm_logits(model, family: str, direction: torch.Tensor) -> torch.Tensor:
+    """The oracle without any convention: W_U · (N(d) - N(0)) through the family's own final norm module. N(d) - N(0)
+    is the norm's linear part applied to d, divided by the norm's per-token scale σ(d) > 0: the same ranking, and
+    values that differ by the one factor σ(d)."""
+    norm = model.get_submodule(ROWS[family].final_norm)
+    d = direction.double()[None]
+    with torch.no_grad():
+        return model.get_output_embeddings().weight.double() @ (norm(d) - norm(torch.zeros_like(d)))[0].double()
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)  # LayerNorm, RMSNorm, and Gemma's RMSNorm that scales by 1 + w
 def test_transcoder_direct_effect_is_its_decoder_row_through_norm_and_unembedding(family):
     model = tiny_model("transcoder", family)
+    norm = model.get_submodule(ROWS[family].final_norm)
+    with torch.no_grad():  # a final norm away from its init (ones; Gemma: zeros), so that its convention matters
+        gen = torch.Generator().manual_seed(9)
+        norm.weight.copy_(torch.randn(norm.weight.shape, generator=gen, dtype=torch.float64))
     stats = run(model, corpora(), vocab_top=5)
     layer = model.sparse_layers()[1]
     ids, values = stats.layers[1].promoted
     for unit in (0, 7, layer.num_units - 1):
-        logits = _vocab_logits(model, layer.W_dec[unit])
+        logits = _native_norm_logits(model, family, layer.W_dec[unit])
         assert ids[unit, 0].tolist() == logits.topk(5).indices.tolist()
         assert ids[unit, 1].tolist() == (-logits).topk(5).indices.tolist()
-        torch.testing.assert_close(values[unit, 0].double(), logits.topk(5).values, rtol=1e-4, atol=1e-5)
+        ratio = values[unit, 0].double() / logits.topk(5).values  # σ(d), the same for every token
+        torch.testing.assert_close(ratio, ratio[:1].expand(5), rtol=1e-4, atol=0)
+        assert ratio[0] > 0
 
 
 def test_mxd_direct_effect_averages_the_expert_contribution_over_its_firing_tokens():

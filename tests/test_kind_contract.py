@@ -352,6 +352,129 @@ def test_resampling_where_the_kind_declares_it(row):
         assert bool(((code.top_k_index[i] == unit) & (code.top_k_weights[i] > 0)).any()), unit
 
 
+# -- what training asks: the output bias, one real step through the trainer -----------------------------------------
+
+
+def test_the_declared_output_bias_is_added_to_every_token(row):
+    """`output_bias` (the contract's name for what the trainer starts at the mean MLP output) is a parameter of the
+    layer of shape (O,), and moving it by δ moves every token's output by exactly δ."""
+    layer = _layer(row)
+    bias = layer.output_bias
+    if bias is None:  # the kind has no such bias: the trainer leaves the layer as it is
+        return
+    assert any(bias is p for p in layer.parameters()) and bias.shape == (layer.spec.d_out,)
+    x = _x(3, 5)
+    delta = torch.linspace(-1, 1, layer.spec.d_out, dtype=bias.dtype)
+    with torch.no_grad():
+        before = layer(x)
+        bias.add_(delta)
+        torch.testing.assert_close(layer(x), before + delta, rtol=1e-12, atol=1e-12)
+
+
+class _Activations:
+    """ActivationBatches' interface over seeded in-memory (x, y) pairs for one layer."""
+
+    def __init__(self, layer_index: int, tokens: int, steps: int) -> None:
+        gen = torch.Generator().manual_seed(3)
+        self.local_tokens = tokens
+        self.data = [{layer_index: (torch.randn(tokens, D_MODEL, generator=gen),
+                                    torch.randn(tokens, D_MODEL, generator=gen) + 2.0)} for _ in range(steps)]
+
+    def batches(self, start_step: int = 0):
+        yield from self.data[start_step:]
+
+
+@pytest.mark.parametrize("variant", [False, True], ids=["tiny", "variant"])
+def test_a_real_training_step_runs_for_every_kind(row, variant, tmp_path):
+    """The distillation trainer itself (conversion/training/distill.py) on in-memory activations, with the train
+    defaults plus AuxK from the second step: whatever it asks of a layer, the kind declares. (A bias the trainer
+    wrote by the name `b_dec`, which the contract never declared, once crashed a new kind's first run here.)"""
+    from expertize.conversion.recipe import TrainConfig
+    from expertize.conversion.training.device import make_accelerator
+    from expertize.conversion.training.distill import Trainer
+
+    tokens, steps = 32, 3
+    layer = build_sparse_layer(_spec(row, variant))
+    before = {name: p.detach().clone() for name, p in layer.named_parameters()}
+    activations = _Activations(1, tokens, steps)
+    cfg = TrainConfig(lr=1e-2, warmup_steps=0, tokens_per_step=tokens, checkpoint_every=0, log_every=1,
+                      device="cpu", auxk_coef=1 / 32, dead_window_tokens=tokens)
+    trainer = Trainer({1: layer}, activations, cfg, total_steps=steps,
+                      accelerator=make_accelerator(torch.device("cpu")), run_dir=tmp_path, progress=False,
+                      log=lambda message: None)
+    trainer.first_batch(activations.data[0])  # what the engine calls first: the output bias starts at the mean output
+    mean = activations.data[0][1][1].mean(0)
+    torch.testing.assert_close(trainer.mean_outputs[1], mean)
+    if layer.output_bias is not None:
+        torch.testing.assert_close(layer.output_bias.detach(), mean)
+    trainer.fit()
+    log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, steps + 1)) and all(r["loss"] == r["loss"] for r in log)
+    assert ("auxk" in log[-1]) == row.has_auxk  # AuxK ran where the kind declares it
+    assert any(not torch.equal(p, before[name]) for name, p in layer.named_parameters())
+    assert not layer.training  # released in eval mode
+
+
+def test_a_kind_registered_only_here_runs_the_quickstart_end_to_end(tmp_path, capsys):
+    """The contributor's first run of a new kind: `expertize upcycle quickstart --set layer.kind=<kind>` with a kind
+    that only this test registers (tests/toy_kind.py, its output bias named its own way) runs to a published folder
+    (capture, distillation with the default dead-unit handling, evaluation, card) that loads back with its layer. A
+    tiny budget (8 steps, ~2 s): how well a kind learns is its benchmark's business."""
+    from expertize.conversion.cli import main
+    from expertize.conversion.surgery.splice import load_expertize_model
+
+    out = tmp_path / "run"
+    overrides = [f"layer.kind={TOY_KIND}", "layer.k=4", "layer.match_transcoder=2", f"output_dir={out}",
+                 "data.train_tokens=8192", "data.eval_tokens=2048", "train.warmup_steps=2", "train.auxk_coef=0.03",
+                 "train.log_every=2",  # steps 2, 4, 6, 8 in train_log.jsonl (the quickstart logs every 10)
+                 "eval.generation_prompts=2"]
+    with toy_kind_registered():
+        code = main(["upcycle", "quickstart", "--no-progress", *[a for o in overrides for a in ("--set", o)]])
+        err = capsys.readouterr().err
+        assert code == 0, err[-3000:]
+        assert "Traceback" not in err
+        model = load_expertize_model(out)
+        (index, layer), = model.sparse_layers().items()
+        assert (index, layer.spec.kind, layer.num_units) == (2, TOY_KIND, 256)  # 2 x d_model 128 latents
+    metrics = json.loads((out / "metrics.json").read_text())["layers"]["2"]
+    assert 0 <= metrics["fvu"] < float("inf") and 0 < metrics["l0"] <= 4, metrics
+    assert TOY_KIND in (out / "README.md").read_text()
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["loss"] < log[0]["loss"]
+
+
+def test_a_units_field_outside_the_recipe_settings_is_refused_where_the_kind_is_written():
+    from expertize.modeling.sparse_base import SparseSpec
+
+    with pytest.raises(TypeError, match=r"BadSpec.units_field='num_codes': a kind's units_field must be one of "
+                                        r"\['num_experts', 'num_latents'\]"):
+        @dataclasses.dataclass
+        class BadSpec(SparseSpec):
+            kind = "bad"
+            units_field = "num_codes"
+            num_codes: int = 4
+
+
+def test_a_token_direction_kind_computes_its_hidden_code_once_per_forward(row):
+    """Inspection reads the hidden code z by wrapping `hidden` for a pass (conversion/inspection/effects.py), so a
+    kind with `token_directions` computes z through it, once per forward; the others need no `hidden`."""
+    layer = _layer(row)
+    if not layer.token_directions:
+        return
+    calls, original = [], layer.hidden
+
+    def hidden(*args, **kwargs):
+        z = original(*args, **kwargs)
+        calls.append(z.shape)
+        return z
+
+    layer.hidden = hidden
+    with torch.no_grad():
+        layer(_x(2, 3))
+    del layer.hidden
+    assert len(calls) == 1 and calls[0][0] == 6
+
+
 # -- inside a model ---------------------------------------------------------------------------------------------------
 
 
@@ -417,8 +540,7 @@ def _trained_like(kind: str, shape, variant: bool, seed: int):
 def _base_with_layers(family: str, num_layers: int):
     from tests.conftest import tiny_base_config
 
-    config = tiny_base_config(family)
-    config.num_hidden_layers = num_layers
+    config = tiny_base_config(family, num_layers=num_layers)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config).eval()
 
@@ -522,8 +644,9 @@ def test_every_kind_distils_through_the_pipeline(tiny_run):
         spec = spec_from_dict(json.loads((folder / "config.json").read_text())["sparse_layers"]["1"])
         size = row.spec_class.size_field()
         assert spec.kind == kind
-        if size == "num_latents":  # dictionaries get exactly match_transcoder x d_in latents (the recipe's rule)
-            assert spec.num_latents == 128
+        own_rule = row.spec_class.matched_size(spec.to_dict(), 128, "exact")
+        if own_rule is not None:  # the kind's own matching rule (transcoders: exactly 4 x d_in = 128 latents)
+            assert getattr(spec, size) == own_rule
         else:  # the largest size within the transcoder's parameter count
             assert spec.num_parameters() <= budget < _next_valid(spec, size).num_parameters()
         derived = row.spec_class.mlp_defaults(llama)

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import torch
 
+from expertize.conversion.surgery.families import attention_projections
 from expertize.conversion.surgery.splice import save_model, splice
 from expertize.modeling import build_sparse_layer
 from tests.conftest import FAMILY_NAMES, run_isolated, tiny_base_model, tiny_tokenizer
+from tests.families import REFERENCE_FAMILY, ROWS
 from tests.kinds import KINDS, tiny_spec
 
 REMOTE_CONTRACTS = Path(__file__).with_name("remote_contracts.py")
@@ -42,10 +44,12 @@ def test_saved_folders_keep_the_native_contracts_through_remote_code(tmp_path):
         base.config.pad_token_id = 3
         base_dir = tmp_path / f"{family}-base"
         base.save_pretrained(base_dir)
-        plan["families"][family] = {"folder": str(_folder(base, "mxd", tmp_path / family)), "base": str(base_dir)}
-    llama = tiny_base_model("llama")
+        plan["families"][family] = {"folder": str(_folder(base, "mxd", tmp_path / family)), "base": str(base_dir),
+                                    "native": ROWS[family].native[2].__name__,
+                                    "lora": attention_projections(family)}
+    reference = tiny_base_model(REFERENCE_FAMILY)
     for kind in KINDS:
-        plan["kinds"][kind] = str(_folder(llama, kind, tmp_path / f"llama-{kind}"))
+        plan["kinds"][kind] = str(_folder(reference, kind, tmp_path / f"{REFERENCE_FAMILY}-{kind}"))
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     out = run_isolated(REMOTE_CONTRACTS.read_text(), tmp_path, timeout=600, args=(str(tmp_path / "plan.json"),))
     report = json.loads(out.strip().splitlines()[-1])
@@ -57,6 +61,8 @@ def test_saved_folders_keep_the_native_contracts_through_remote_code(tmp_path):
         assert report[family]["trainer"].startswith("1 step")
         assert report[family]["batched_generation"] == "4/4 agree"
         assert report[family]["hidden_states"] == "returned, equal to native"
+        sdpa = "ok" if ROWS[family].sdpa else "refused, as by the native class"
+        assert report[family]["support"]["attn_implementation=sdpa"] == sdpa
         assert set(report[family]["support"]) == {
             "dtype=bfloat16", "device_map=auto", "low_cpu_mem_usage", "attn_implementation=eager",
             "attn_implementation=sdpa", "sharded save (max_shard_size) + reload", "gradient checkpointing",

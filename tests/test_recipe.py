@@ -33,6 +33,10 @@ BASE_MODELS = {
     "meta-llama/Llama-3.2-3B": (MlpShape(3072, 8192, "silu", True), 28),
     "tiny-gpt2-shakespeare": (MlpShape(128, 512, "gelu_new", False), 4),
     "stories260k": (MlpShape(64, 172, "silu", True), 5),
+    "google/gemma-2-2b": (MlpShape(2304, 9216, "gelu_pytorch_tanh", True), 26),
+    "google/gemma-3-1b-pt": (MlpShape(1152, 6912, "gelu_pytorch_tanh", True), 26),
+    "Qwen/Qwen3-0.6B-Base": (MlpShape(1024, 3072, "silu", True), 28),
+    "allenai/OLMo-2-0425-1B": (MlpShape(2048, 8192, "silu", True), 16),
 }
 GPT2_SHAPE = BASE_MODELS["gpt2"][0]
 LLAMA_SHAPE = BASE_MODELS["meta-llama/Llama-3.2-3B"][0]

@@ -8,22 +8,22 @@ import torch
 from expertize.conversion.surgery.splice import load_expertize_model, splice, splice_and_save
 from expertize.modeling import FAMILIES, MxdLayer, MxdSpec, SkipTranscoderSpec, TranscoderSpec, build_sparse_layer
 from tests.conftest import D_HIDDEN, D_MODEL, FAMILY_NAMES, check_remote_roundtrip, tiny_base_config, tiny_base_model
+from tests.families import ROWS
 
-GLU_FAMILIES = {"llama", "mistral", "qwen2"}
-ACTIVATION = {"gpt2": "gelu_new", "gpt_neox": "gelu"}
+SUPPORTED = ", ".join(sorted(FAMILIES))
 
 
 def trained_like_layers(family: str) -> dict:
     """An MxD at layer 0 (the base MLP's encoder type) and a skip transcoder at layer 1, with non-zero decoders."""
-    glu = family in GLU_FAMILIES
+    row = ROWS[family]
     mxd = MxdSpec(
         d_in=D_MODEL,
         d_out=D_MODEL,
         d_hidden=D_HIDDEN,
         num_experts=24,
         k=4,
-        encoder="glu" if glu else "mlp",
-        activation="silu" if glu else ACTIVATION[family],
+        encoder="glu" if row.glu else "mlp",
+        activation=row.activation,
     )
     layers = {0: build_sparse_layer(mxd), 1: build_sparse_layer(SkipTranscoderSpec(d_in=D_MODEL, d_out=D_MODEL, num_latents=48, k=4))}
     torch.manual_seed(1)
@@ -113,7 +113,7 @@ def test_unsupported_architecture_names_the_supported_ones():
                   word_embed_proj_dim=16)
     )
     layer = build_sparse_layer(TranscoderSpec(d_in=16, d_out=16, num_latents=32, k=2))
-    with pytest.raises(ValueError, match=r"unsupported architecture 'opt'.*gpt2, gpt_neox, llama, mistral, qwen2"):
+    with pytest.raises(ValueError, match=rf"unsupported architecture 'opt'.*{SUPPORTED}"):
         splice(opt, {0: layer})
 
 
@@ -153,46 +153,64 @@ def test_load_expertize_model_rejects_a_base_checkpoint(tmp_path):
 # -- family facts -------------------------------------------------------------------------------------------------
 
 
+def test_the_test_table_lists_exactly_the_bundles_families():
+    """tests/families.py drives every family test: a family in the bundle without a row there would go untested."""
+    from expertize.conversion.surgery.families import _FACTS
+
+    assert list(FAMILIES) == FAMILY_NAMES == list(_FACTS)
+
+
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_family_table_and_conversion_facts(family):
-    """One named row per family (bundle) plus the conversion-side facts (LoRA targets, decoder blocks, MLP shape)."""
+    """One named row per family (bundle) plus the conversion-side facts (LoRA targets, decoder blocks, MLP shape,
+    final norm, positions), each checked against the native model of tests/families.py's row."""
     from expertize.conversion.surgery.families import (
         attention_projections,
         conv1d_attention,
         decoder_blocks,
         family_info,
+        final_norm,
         mlp_shape,
+        model_positions,
     )
 
-    assert set(FAMILIES) == set(FAMILY_NAMES)
     row = FAMILIES[family]
     assert row.config_class.model_type == f"expertize_{family}"
     assert row.base_model_class.config_class is row.causal_lm_class.config_class is row.config_class
     assert tuple(row) == (row.config_class, row.base_model_class, row.causal_lm_class)  # positional order kept
     assert family_info(family) is row and family_info(f"expertize_{family}") is row
+    native = ROWS[family]
+    assert [issubclass(ours, theirs) for ours, theirs in zip(row, native.native)] == [True] * 3
 
     model = tiny_base_model(family)
+    assert type(model) is native.native[2]
     blocks = decoder_blocks(model)
     assert blocks is model.get_submodule(row.blocks_path) and len(blocks) == model.config.num_hidden_layers
+    assert all(hasattr(block, "mlp") for block in blocks)
     shape = mlp_shape(model.config)
-    assert shape.d_model == model.config.hidden_size and shape.glu == (family in GLU_FAMILIES)
+    assert shape.d_model == model.config.hidden_size and shape.glu == native.glu
+    assert final_norm(model) is model.get_submodule(native.final_norm)
+    assert model_positions(model.config) == model_positions(model.config.to_dict()) == 64  # tiny_base_config's
     # The LoRA defaults name attention modules that exist, and none of the MLP's.
     names = [name for name, _ in model.named_modules()]
     for target in attention_projections(family):
         matches = [name for name in names if name.endswith("." + target)]
         assert len(matches) == len(blocks) and not any(".mlp." in name for name in matches), target
+        assert all(f".{native.attention}." in name for name in matches), target
     conv1d = type(model.get_submodule(matches[0])).__name__ == "Conv1D"
-    assert conv1d_attention(family) == conv1d == (family == "gpt2")
+    assert conv1d_attention(family) == conv1d
     # An expertize model of the family answers the same.
     spliced = splice(model, {0: build_sparse_layer(TranscoderSpec(d_in=D_MODEL, d_out=D_MODEL, num_latents=8, k=2))})
     assert isinstance(spliced, row.causal_lm_class)
     assert decoder_blocks(spliced) is spliced.get_submodule(row.blocks_path)
+    assert final_norm(spliced) is spliced.get_submodule(native.final_norm)
+    assert model_positions(spliced.config) == 64
 
 
 def test_unknown_family_names_the_supported_ones():
     from expertize.conversion.surgery.families import attention_projections, base_family
 
-    with pytest.raises(ValueError, match=r"unsupported architecture 'bert'.*gpt2, gpt_neox, llama, mistral, qwen2"):
+    with pytest.raises(ValueError, match=rf"unsupported architecture 'bert'.*{SUPPORTED}"):
         base_family("bert")
     with pytest.raises(ValueError, match=r"unsupported architecture 'opt'"):
         attention_projections("opt")

@@ -12,15 +12,15 @@ import pytest
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
 from tests.common_testers import FamilyTester
+from tests.families import FAMILY_NAMES, REFERENCE_FAMILY
 from tests.kinds import KINDS
 from tests.transformers_common.generation.test_utils import GenerationTesterMixin
 from tests.transformers_common.test_configuration_common import ConfigTester
 from tests.transformers_common.test_modeling_common import ModelTesterMixin
 
-FAMILY_NAMES = ["gpt2", "gpt_neox", "llama", "mistral", "qwen2"]
-
-# The default run covers every family with MxD and every kind on Llama; the rest of the matrix is marked slow.
-DEFAULT = {(family, "mxd") for family in FAMILY_NAMES} | {("llama", kind) for kind in KINDS}
+# The default run covers every family with MxD (and natively, the control) and every kind on the reference family
+# (Llama); the rest of the matrix is marked slow.
+DEFAULT = {(family, "mxd") for family in FAMILY_NAMES} | {(REFERENCE_FAMILY, kind) for kind in KINDS}
 
 NOT_APPLICABLE: dict[str, str] = {}
 """test name -> why it does not apply to expertize models (skipped for them, run on the native classes)."""

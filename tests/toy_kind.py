@@ -2,9 +2,10 @@
 
     s = W_enc x + b_enc                    router / encoder scores over L latents
     z = TopK(ReLU(s))                      the sparse code: K (latent, value) pairs per token
-    y = W_decᵀ z + b_dec                   row l of W_dec (L, O) is latent l's output direction
+    y = W_decᵀ z + b_out                   row l of W_dec (L, O) is latent l's output direction
 
-It declares what generic code asks of a kind (modeling/sparse_base.py's contract) and nothing else: an activation
+It declares what generic code asks of a kind (modeling/sparse_base.py's contract) and nothing else, and names its
+parameters its own way (`b_out`, not the real kinds' `b_dec`: generic code reaches it as `output_bias`): an activation
 meaning and a code-unit name of its own (so a test can tell that inspection read them from the kind, not from a
 table), a router (`router_distribution = "scores"`: the layer records s as `router_logits`, so routing statistics
 exist for it), a fixed output direction per latent (`output_directions`, so vocabulary effects exist for it) and
@@ -97,7 +98,7 @@ class ToyLayer(SparseLayer):
         self.W_enc = nn.Parameter(torch.empty(L, I))
         self.b_enc = nn.Parameter(torch.empty(L))
         self.W_dec = nn.Parameter(torch.empty(L, O))
-        self.b_dec = nn.Parameter(torch.empty(O))
+        self.b_out = nn.Parameter(torch.empty(O))
         self._init_selection_bias(L)  # none: the spec has no selection_bias field
         self.reset_parameters()
 
@@ -105,11 +106,15 @@ class ToyLayer(SparseLayer):
     def num_units(self) -> int:
         return self.spec.num_latents
 
+    @property
+    def output_bias(self) -> nn.Parameter:
+        return self.b_out  # added to every token's output
+
     def reset_parameters(self) -> None:
         uniform_(self.W_enc, linear_bound(self.spec.d_in))
         uniform_(self.W_dec, linear_bound(self.spec.num_latents))
         nn.init.zeros_(self.b_enc)
-        nn.init.zeros_(self.b_dec)
+        nn.init.zeros_(self.b_out)
 
     def output_directions(self) -> torch.Tensor:
         return self.W_dec.detach()  # latent l adds W_dec[l] per unit of its value: (L, O)
@@ -125,7 +130,7 @@ class ToyLayer(SparseLayer):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         lead = hidden_states.shape[:-1]
-        out = sparse_rows_sum(self.encode(hidden_states).flat(), self.W_dec) + self.b_dec  # (T, O)
+        out = sparse_rows_sum(self.encode(hidden_states).flat(), self.W_dec) + self.b_out  # (T, O)
         return out.view(*lead, -1)
 
 

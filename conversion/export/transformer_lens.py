@@ -3,8 +3,9 @@
 Registered through TransformerLens's own mechanism, the `transformer_lens.architectures` entry-point group
 (pyproject.toml, one entry per family: `ExpertizeLlamaForCausalLM` -> `ExpertizeLlamaForCausalLMAdapter`), which its
 `ArchitectureAdapterFactory` reads when it first selects an adapter. Each adapter is the family's native one (Llama,
-Mistral, Qwen2, GPT-2, GPT-NeoX) with the block's MLP made to fit both kinds of block: the dense MLP's projections
-become optional, and an optional `code` component wraps the sparse layer's `code_hook`. Hook names:
+Mistral, Qwen2, Qwen3, OLMo-2, Gemma-2, Gemma-3 text, GPT-2, GPT-NeoX) with the block's MLP made to fit both kinds of
+block: the dense MLP's projections become optional, and an optional `code` component wraps the sparse layer's
+`code_hook`. Hook names:
 
     blocks.{i}.mlp.hook_in / hook_out     the MLP's (sparse layer's) input and output, as for any model
     blocks.{i}.mlp.code.hook_out          the sparse code's weights, (batch, pos, K): read or replace them

@@ -426,31 +426,29 @@ def read_documents(text_file: str | os.PathLike, separator: Separator = "auto") 
     return [d for d in documents if d]
 
 
-_LENGTH_ATTRIBUTES = ("n_positions", "max_position_embeddings", "n_ctx")
-"""Where a config states its context length, in the order lm-eval's HFLM reads them (its max_length)."""
-
-
 def model_token_limit(model: str) -> tuple[TokenCounter, int]:
     """(a token counter with `model`'s tokenizer, its context length as lm-eval will use it) for a model folder or
     Hub id; an expertize folder loads through its remote code."""
     from transformers import AutoConfig, AutoTokenizer
+
+    from ..surgery.families import model_positions
 
     try:
         config = AutoConfig.from_pretrained(model, trust_remote_code=True)
         tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=True)
     except (OSError, ValueError) as e:
         raise ValueError(f"--model {model!r}: cannot load its config and tokenizer ({e}); give a model folder") from e
-    limits = [getattr(config, name) for name in _LENGTH_ATTRIBUTES if isinstance(getattr(config, name, None), int)]
-    if not limits and getattr(tokenizer, "model_max_length", 0) < 10**8:
-        limits = [tokenizer.model_max_length]
-    if not limits:
-        raise ValueError(f"--model {model!r} states no context length ({', '.join(_LENGTH_ATTRIBUTES)}); pass "
-                         "--max-tokens N")
+    limit = model_positions(config)
+    if limit is None and getattr(tokenizer, "model_max_length", 0) < 10**8:
+        limit = tokenizer.model_max_length
+    if limit is None:
+        raise ValueError(f"--model {model!r} states no context length (max_position_embeddings in its config.json); "
+                         "pass --max-tokens N")
 
     def count(texts: list[str]) -> list[int]:
         return [len(ids) for ids in tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]]
 
-    return count, int(limits[0])
+    return count, int(limit)
 
 
 def write_tasks_from_text(

@@ -11,15 +11,17 @@ what it is (modeling/sparse_base.py's contract), never its kind:
                                    the promoted / suppressed lists are empty
 
 Its vocabulary effect is W_U · N(d_n) with N the final norm's linear part (LayerNorm: centre, then scale by γ;
-RMSNorm: scale by γ), i.e. direct logit attribution up to the norm's per-token 1/σ: the top entries are the tokens
-the unit promotes, the bottom ones those it suppresses. Token-dependent directions read the layer's own hidden code
-z during the inspection pass (its `hidden` output), never recomputing it.
+RMSNorm: scale by γ; Gemma's RMSNorm: scale by 1 + γ; the family's `FinalNorm` row in surgery/families.py says
+which), i.e. direct logit attribution up to the norm's per-token 1/σ: the top entries are the tokens the unit
+promotes, the bottom ones those it suppresses (a logit soft cap, Gemma 2's, is monotone and keeps that order).
+Token-dependent directions read the layer's own hidden code z during the inspection pass (its `hidden` output), never
+recomputing it.
 """
 
 import torch
 from torch import nn
 
-from ..surgery.families import family_info
+from ..surgery.families import final_norm, final_norm_scale
 
 __all__ = ["EffectAccumulator", "final_norm", "vocab_effects"]
 
@@ -97,31 +99,20 @@ class EffectAccumulator:
         return out.masked_fill((self.counts == 0)[:, None].to(out.device), float("nan"))
 
 
-def final_norm(model: nn.Module) -> nn.Module:
-    """The final norm before the unembedding (GPT-2 `ln_f`, GPT-NeoX `final_layer_norm`, Llama-likes `norm`)."""
-    blocks_path = family_info(model.config.model_type).blocks_path
-    parent = model.get_submodule(blocks_path.rpartition(".")[0])
-    for name in ("ln_f", "final_layer_norm", "norm"):
-        if isinstance(getattr(parent, name, None), nn.Module):
-            return getattr(parent, name)
-    raise ValueError(f"no final norm found next to {blocks_path} in {type(model).__name__}")
-
-
 @torch.no_grad()
 def vocab_effects(model: nn.Module, directions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k promoted and suppressed tokens per unit: directions (U, O) -> (ids, values), each (U, 2, k):
     [:, 0] promoted (largest logit first), [:, 1] suppressed (most negative first). NaN rows give NaN values."""
-    norm = final_norm(model)
+    centres, gamma = final_norm_scale(model)  # the family's final norm: LayerNorm centres; Gemma scales by 1 + w
     unembed = model.get_output_embeddings().weight.detach().float()  # (V, O)
-    gamma = getattr(norm, "weight", None)
     k = min(k, unembed.shape[0])
     ids, values = [], []
     for lo in range(0, directions.shape[0], UNIT_CHUNK):
         d = directions[lo : lo + UNIT_CHUNK].float().to(unembed.device)  # (c, O)
-        if isinstance(norm, nn.LayerNorm):
+        if centres:
             d = d - d.mean(-1, keepdim=True)  # LayerNorm centres before scaling; RMSNorm does not
         if gamma is not None:
-            d = d * gamma.detach().float()
+            d = d * gamma.to(d.device)  # (O,) per-channel scale
         logits = d @ unembed.T  # (c, V)
         top = logits.topk(k, dim=-1)
         bottom = (-logits).topk(k, dim=-1)

@@ -88,8 +88,11 @@ def build(cls: type, raw: Any, prefix: str, src: Source) -> Any:
             try:
                 kwargs[f.name] = coerce(raw[f.name], hints[f.name], key, src)
             except (_Mismatch, _Invalid) as e:
-                # A field may say what a value of the wrong type usually means (e.g. a kind per layer).
-                hint = f.metadata.get("mismatch_hint", "") if isinstance(e, _Mismatch) and e.key == key else ""
+                # A field may say what a value of the wrong type usually means (e.g. a kind per layer: a mapping or a
+                # list where one value belongs); a mistyped scalar ('ALL') has its own suggestion.
+                structured = isinstance(raw[f.name], (dict, list))
+                hint = (f.metadata.get("mismatch_hint", "")
+                        if isinstance(e, _Mismatch) and e.key == key and structured else "")
                 raise src.error(e.key, str(e) + hint) from None
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             missing.append(f.name)

@@ -43,7 +43,7 @@ def resolve_layer_spec(layer: LayerConfig, shape: MlpShape, balance: str = "none
     (`selection_bias: true`, the buffer the balancer moves); other kinds are built as they are."""
     spec_cls = spec_class(layer.kind)
     spec_fields = spec_field_names(layer.kind)
-    units, match_field = spec_cls.units_field, spec_cls.size_field()
+    units, match_field = spec_cls.units_field, spec_cls.size_field()  # units_field: one of UNITS_FIELDS
 
     fields: dict[str, Any] = {"kind": layer.kind, "d_in": shape.d_model, "d_out": shape.d_model}
     fields.update(spec_cls.mlp_defaults(shape, init=layer.init, num_units=getattr(layer, units)))
@@ -65,12 +65,7 @@ def resolve_layer_spec(layer: LayerConfig, shape: MlpShape, balance: str = "none
     derived = ""
     if layer.match_transcoder is not None:
         latents = round(layer.match_transcoder * shape.d_model)
-        if match_field == "num_latents":  # a transcoder: exactly that many latents
-            fields[match_field] = latents
-            derived = (f" ({match_field}={latents} = round(layer.match_transcoder={layer.match_transcoder} x "
-                       f"d_in={shape.d_model}))")
-        else:
-            fields[match_field], derived = _match(spec_cls, fields, match_field, latents, layer)
+        fields[match_field], derived = _match(spec_cls, fields, match_field, latents, layer)
     try:
         return spec_cls.from_dict(fields)
     except (ValueError, TypeError) as e:

@@ -7,10 +7,11 @@ unchanged. So per batch of evaluation contexts one full forward records, with fo
     calls     per block i >= L: the other arguments and keyword arguments the full forward passed it (causal mask,
               position ids, rotary `position_embeddings`, cache flags: whatever the family's forward builds)
 
-and every condition then costs only blocks L…end, the final norm and the LM head. Replaying the recorded calls (rather
-than rebuilding masks and rotary embeddings from a copy of each family's forward) is what makes it exact for every
-family, GPT-2's absolute positions, GPT-NeoX's parallel residual and the Llama-likes' rotary embeddings alike: the
-suffix computes the same operations on the same tensors, so its logits are bit-for-bit the full forward's
+and every condition then costs only blocks L…end, the final norm and the LM head (`families.lm_logits`: with the
+family's logit soft cap, Gemma 2's). Replaying the recorded calls (rather than rebuilding masks and rotary embeddings
+from a copy of each family's forward) is what makes it exact for every family, GPT-2's absolute positions, GPT-NeoX's
+parallel residual, the rotary embeddings of the Llama-likes and Gemma's per-layer-type masks alike: the suffix
+computes the same operations on the same tensors, so its logits are bit-for-bit the full forward's
 (tests/test_suffix.py, every family; `SuffixRunner.check` verifies it again on each run's first batch).
 
 Conditions can be stacked along the batch (`logits(prefix, copies=C)`: C copies of the batch, rows c·B … c·B + B − 1
@@ -26,8 +27,7 @@ import torch
 from torch import nn
 
 from ..training.losses import next_token_ce
-from ..inspection.effects import final_norm
-from ..surgery.families import decoder_blocks
+from ..surgery.families import decoder_blocks, lm_logits
 from .errors import SpecializationError
 
 __all__ = ["PrefixBatch", "SuffixRunner"]
@@ -70,8 +70,6 @@ class SuffixRunner:
         self.blocks = decoder_blocks(model)
         if not 0 <= layer < len(self.blocks):
             raise SpecializationError(f"layer {layer} is not a decoder block of the model (0-{len(self.blocks) - 1})")
-        self.norm = final_norm(model)
-        self.head = model.get_output_embeddings()
         self.device = next(model.parameters()).device
 
     @torch.no_grad()
@@ -102,8 +100,8 @@ class SuffixRunner:
 
     @torch.no_grad()
     def logits(self, prefix: PrefixBatch, copies: int = 1) -> torch.Tensor:
-        """Blocks `layer`…end, the final norm and the LM head on `copies` stacked copies of the batch:
-        (copies·B, T, V)."""
+        """Blocks `layer`…end, the final norm and the LM head (and the family's logit soft cap) on `copies` stacked
+        copies of the batch: (copies·B, T, V)."""
         B = prefix.hidden.shape[0]
         h = prefix.hidden if copies == 1 else prefix.hidden.repeat(copies, 1, 1)  # (C·B, T, d)
         for block, (args, kwargs) in zip(self.blocks[self.layer :], prefix.calls):
@@ -111,7 +109,7 @@ class SuffixRunner:
             h = block(h, *args, **kwargs) if args or "hidden_states" not in kwargs else block(hidden_states=h, **kwargs)
             if isinstance(h, tuple):  # transformers 4.x blocks return (hidden_states, ...)
                 h = h[0]
-        return self.head(self.norm(h))
+        return lm_logits(self.model, h)
 
     def check(self, prefix: PrefixBatch, logits: torch.Tensor) -> None:
         """The suffix replay of `prefix` must give the full forward's `logits` bit for bit; an error otherwise."""

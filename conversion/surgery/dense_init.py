@@ -1,4 +1,5 @@
-"""Start a sparse layer from a dense MLP ("sparse upcycling") for GPT-2, GPT-NeoX/Pythia and Llama-like MLPs.
+"""Start a sparse layer from a dense MLP ("sparse upcycling"), for the MLP of every supported family (the child names
+of each family's MLP are its `MlpLayout` row in families.py).
 
 The methods are the `init_modes` a kind's spec lists besides "default" (today MoE-X's); the layer says how it holds
 the MLP (`SparseLayer.dense_init_groups`, `dense_fit_problems`, `init_from_dense`) and its spec which fields do
@@ -37,6 +38,8 @@ from torch import nn
 from expertize.modeling import MlpShape
 from expertize.modeling.sparse_base import ACTIVATIONS, SparseLayer, SparseSpec, canonical_activation
 from expertize.modeling.sparse_layers import LAYER_KINDS, build_sparse_layer
+
+from .families import mlp_layouts
 
 CLUSTERINGS = ("random", "balanced_kmeans")
 COPY_NOISE_STD = 0.01
@@ -110,32 +113,30 @@ def _bias(module: nn.Module) -> torch.Tensor | None:
 
 
 def dense_mlp(mlp: nn.Module) -> DenseMlp:
-    """Read a GPT-2 (Conv1D c_fc/c_proj), GPT-NeoX (dense_h_to_4h/dense_4h_to_h) or Llama-like
-    (gate_proj/up_proj/down_proj) MLP into one layout."""
+    """Read a dense MLP of any supported family into one layout: the family whose `MlpLayout` (child names,
+    families.py) the module has, e.g. GPT-2's Conv1D c_fc / c_proj or the Llama-likes' gate_proj / up_proj /
+    down_proj."""
     if isinstance(mlp, DenseMlp):
         return mlp
     names = set(dict(mlp.named_children()))
-    if {"c_fc", "c_proj"} <= names:  # GPT-2: Conv1D weights are (in, out)
-        w_in, b_in = mlp.c_fc.weight.detach().T, _bias(mlp.c_fc)
-        w_up = b_up = None
-        w_out, b_out = mlp.c_proj.weight.detach().T, _bias(mlp.c_proj)
-        act = mlp.act
-    elif {"dense_h_to_4h", "dense_4h_to_h"} <= names:  # GPT-NeoX: nn.Linear (out, in)
-        w_in, b_in = mlp.dense_h_to_4h.weight.detach(), _bias(mlp.dense_h_to_4h)
-        w_up = b_up = None
-        w_out, b_out = mlp.dense_4h_to_h.weight.detach(), _bias(mlp.dense_4h_to_h)
-        act = mlp.act
-    elif {"gate_proj", "up_proj", "down_proj"} <= names:  # Llama, Mistral, Qwen2, ...
-        w_in, b_in = mlp.gate_proj.weight.detach(), _bias(mlp.gate_proj)
-        w_up, b_up = mlp.up_proj.weight.detach(), _bias(mlp.up_proj)
-        w_out, b_out = mlp.down_proj.weight.detach(), _bias(mlp.down_proj)
-        act = mlp.act_fn
-    else:
+    layouts = mlp_layouts()
+    layout = next((layout for layout in layouts if set(layout.children) <= names), None)
+    if layout is None:
+        known = "; ".join(", ".join(layout.children) for layout in layouts)
         raise ValueError(
-            f"cannot read the dense MLP {type(mlp).__name__} (children {sorted(names)}): supported layouts are GPT-2 "
-            "(c_fc, c_proj), GPT-NeoX (dense_h_to_4h, dense_4h_to_h) and Llama-like (gate_proj, up_proj, down_proj)"
+            f"cannot read the dense MLP {type(mlp).__name__} (children {sorted(names)}): the supported families' "
+            f"MLPs have the children {known}"
         )
-    return DenseMlp(w_in, b_in, w_up, b_up, w_out, b_out, _activation_name(act))
+
+    def weight(name: str) -> torch.Tensor:  # (out, in), whatever the module stores
+        w = getattr(mlp, name).weight.detach()
+        return w.T if layout.transposed else w  # Conv1D stores (in, out)
+
+    w_up = b_up = None
+    if layout.w_up is not None:
+        w_up, b_up = weight(layout.w_up), _bias(getattr(mlp, layout.w_up))
+    return DenseMlp(weight(layout.w_in), _bias(getattr(mlp, layout.w_in)), w_up, b_up, weight(layout.w_out),
+                    _bias(getattr(mlp, layout.w_out)), _activation_name(getattr(mlp, layout.activation)))
 
 
 def _activation_name(act) -> str:

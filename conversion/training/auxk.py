@@ -11,8 +11,9 @@ and the trainer adds `coef · loss_aux` (the paper: coef 1/32, k_aux 512, dead a
 error's own norm per token (the paper's released code) keeps the term's scale fixed as the main loss falls. Gradients
 reach only the selected dead units' parameters (each kind's `auxk_reconstruction` says which).
 
-Which kinds: `supports_auxk(layer)` (a layer class attribute). MxD, transcoder, skip transcoder and routed neurons
-have it; MoE-X and Monet do not (their layer classes say why); a kind without the attribute has none.
+Which kinds: `supports_auxk(layer)` (`SparseLayer.supports_auxk`, False unless a kind sets it and defines
+`auxk_reconstruction`). MxD, transcoder, skip transcoder and routed neurons have it; MoE-X and Monet do not (their
+layer classes say why).
 
 Nothing here syncs with the host: the tracker's counters and masks stay on the layer's device, and "no unit is dead"
 gives an exact 0 by a device-side factor instead of a Python branch. `DeadUnitTracker.may_have_dead` (host-side) lets
@@ -44,8 +45,8 @@ experts dead, 1/40 (8,192 tokens) 13.5%, at equal FVU: most experts die early, s
 
 
 def supports_auxk(layer: SparseLayer) -> bool:
-    """Whether `layer`'s kind implements `auxk_reconstruction` (class attribute `supports_auxk`)."""
-    return bool(getattr(layer, "supports_auxk", False)) and callable(getattr(layer, "auxk_reconstruction", None))
+    """Whether `layer`'s kind implements `auxk_reconstruction` (`SparseLayer.supports_auxk`, the contract's)."""
+    return bool(layer.supports_auxk)
 
 
 def dead_window_tokens(
@@ -168,7 +169,7 @@ def auxk_loss(
     it to the main loss. Cost: one more dense (T, N) score matmul without autograd, plus gathers over T·k_aux rows.
     """
     if not supports_auxk(layer):
-        kind = getattr(getattr(layer, "spec", None), "kind", type(layer).__name__)
+        kind = layer.spec.kind
         raise ExpertizeError(
             f"AuxK is not defined for sparse layer kind {kind!r} (its units are not chosen by a top-k over their own "
             "parameters); set train.auxk_coef: 0 for this kind"

@@ -219,12 +219,14 @@ class Trainer(Engine):
 
     @torch.no_grad()
     def _init_output_bias(self, batch) -> None:
-        """The paper's init: b_dec = mean MLP output (on the first batch's tokens, averaged over ranks). The mean is
-        kept for the evaluation's mean ablation either way."""
+        """The paper's init: the layer's output bias (`SparseLayer.output_bias`, b_dec) = mean MLP output (on the first
+        batch's tokens, averaged over ranks), for kinds that have one. The mean is kept for the evaluation's mean
+        ablation either way."""
         for i, (_, y) in batch.items():
             mean = self.accelerator.reduce(y.float().mean(0), reduction="mean")
-            if self.init_output_bias:
-                self.layers[i].b_dec.copy_(mean.to(self.layers[i].b_dec.dtype))
+            bias = self.layers[i].output_bias
+            if self.init_output_bias and bias is not None:
+                bias.copy_(mean.to(bias.dtype))
             self.mean_outputs[i] = mean.cpu()
 
     def compute_loss(self, batch):
