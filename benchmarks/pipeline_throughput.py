@@ -6,10 +6,14 @@
                     tokenizing the text, capture hooks, the chunked shuffle buffer, loss (+ AuxK), AdamW, schedule,
                     dead-unit tracking, progress bar, JSONL log and checkpoints (the recipe's cadence).
     (b) layer math  the sparse layers' forward, loss (+ routed aux and AuxK from the step the pipeline turns it on),
-                    backward and optimizer step (`Trainer.compute_loss`, backward, `_optimizer_step`: the very code
-                    of a pipeline step, minus tracking, logging and data) on captured batches already in memory.
-    (c) capture     the base model's forward up to the last target layer (`MlpCapture`) on token ids already packed
-                    in memory, `train.capture_batch_sequences` sequences per forward, in the recipe's dtype.
+                    backward, optimizer step and the device-side bookkeeping of the step (`Trainer.compute_loss`,
+                    backward, `_optimizer_step`, `track`: the very code of a pipeline step, minus logging and data)
+                    on captured batches already in memory. `track` moves the selection bias (train.balance), which
+                    decides how the next forward chooses its top K, so it belongs to the math of a step.
+    (c) capture     the base model's forward up to the last target layer on token ids already packed in memory, as
+                    the pipeline configures it (`upcycle.activation_batches`: its `MlpCapture` with
+                    train.capture_precision, its sequences per forward from train.capture_batch_sequences), in the
+                    recipe's dtype, with train.tf32.
     (t) tokenize    for the diagnosis only: reading, splitting, shuffling, tokenizing and packing the train split
                     (`iter_sequences`), which (a) pays and (b), (c) do not.
 
@@ -62,11 +66,12 @@ import torch
 
 from _timing import Seconds, synchronize, timed
 from expertize.conversion import upcycle as up
-from expertize.conversion.data.capture import MlpCapture, excluded_token_ids, kept_positions
+from expertize.conversion.data.capture import excluded_token_ids, kept_positions
 from expertize.conversion.data.text import iter_sequences
 from expertize.conversion.preflight import plan_run, plan_variants
 from expertize.conversion.publishing.run_folder import RunFolder
 from expertize.conversion.recipe import load_recipe, recipe_from_dict, recipe_to_dict
+from expertize.conversion.training.compute import matmul_precision
 from expertize.conversion.training.device import make_accelerator
 from expertize.conversion.training.distill import Trainer
 from expertize.conversion.training.engine import rng_state
@@ -125,8 +130,9 @@ def capture(base, plan, sequences: list[torch.Tensor], device: torch.device) -> 
     """(c): seconds of the base forwards over `sequences`; and up to POOL_STEPS step batches of the captured
     pairs ({layer: (x, y)}, the excluded special positions left out as in the pipeline) for (b)."""
     recipe = plan.recipe
-    mlp_capture = MlpCapture(base, plan.layer_ids)
-    per_forward, tokens_per_step = recipe.train.capture_batch_sequences, recipe.train.tokens_per_step
+    stream = up.activation_batches(recipe, base, plan.tokenizer, plan.layer_ids, plan.distill_steps, device)
+    mlp_capture, per_forward = stream.capture, stream.capture_batch_sequences  # the pipeline's own settings
+    tokens_per_step = recipe.train.tokens_per_step
     excluded = excluded_token_ids(recipe.data, plan.tokenizer)
     keep_sequences = math.ceil(min(len(sequences), POOL_STEPS * tokens_per_step / recipe.data.context_length))
     kept: list[tuple[dict, torch.Tensor]] = []
@@ -138,7 +144,8 @@ def capture(base, plan, sequences: list[torch.Tensor], device: torch.device) -> 
             if start < keep_sequences:
                 kept.append((pairs, kept_positions(input_ids, excluded)))
 
-    seconds, _ = timed(device, run)
+    with matmul_precision(device, recipe.train.tf32):
+        seconds, _ = timed(device, run)
     rows = {i: (torch.cat([p[i][0] for p, _ in kept]), torch.cat([p[i][1] for p, _ in kept])) for i in plan.layer_ids}
     keep = None if kept[0][1] is None else torch.cat([k for _, k in kept])  # (rows,) bool
     pool = []
@@ -149,10 +156,10 @@ def capture(base, plan, sequences: list[torch.Tensor], device: torch.device) -> 
     return seconds, pool
 
 
-def layer_math(plan, pool: list[dict], steps: int, accelerator, folder: Path) -> Seconds:
+def layer_math(plan, pool: list[dict], steps: int, accelerator, folder: Path, warmup: int = 0) -> Seconds:
     """(b): seconds of `steps` training steps of the plan's sparse layers on the batches of `pool` (cycled), through
-    the pipeline's own step code (the Trainer's loss, backward and optimizer step) without its data, tracking,
-    logging or checkpoints."""
+    the pipeline's own step code (the Trainer's loss, backward, optimizer step and bookkeeping) without its data,
+    logging or checkpoints; after `warmup` untimed steps (e.g. to compile, train.compile)."""
     recipe = plan.recipe
     torch.manual_seed(recipe.train.seed)
     layers = {i: build_sparse_layer(plan.spec) for i in plan.layer_ids}
@@ -162,18 +169,19 @@ def layer_math(plan, pool: list[dict], steps: int, accelerator, folder: Path) ->
     )
     trainer.model.train()
 
-    def run():
-        for step in range(steps):
-            loss, _ = trainer.compute_loss(pool[step % len(pool)])
+    def run(first: int, count: int):
+        for step in range(first, first + count):
+            if step == 0:
+                trainer.first_batch(pool[0])  # b_dec from the first batch, as the pipeline starts
+            loss, parts = trainer.compute_loss(pool[step % len(pool)])
             trainer._backward(loss)
             trainer._optimizer_step()
-            # AuxK from the step the pipeline turns it on (after one dead window); with no firing recorded every
-            # unit counts as dead, which costs the same as any dead set (a dense score matmul + top-k_aux).
-            for tracker in trainer.dead_units.values():
-                tracker.tokens_seen += recipe.train.tokens_per_step
+            trainer.track(parts)  # dead-unit trackers (AuxK from the step the pipeline turns it on), the balancer
 
     try:
-        seconds, _ = timed(accelerator.device, run)
+        with matmul_precision(accelerator.device, recipe.train.tf32):
+            run(0, warmup)
+            seconds, _ = timed(accelerator.device, lambda: run(warmup, steps))
     finally:
         trainer.release()
     return seconds

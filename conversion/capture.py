@@ -15,13 +15,15 @@ from tqdm.auto import tqdm
 
 from .checks import check_output_location
 from .data.cache import CACHE_MANIFEST, SHARD_BYTES, STORAGE_DTYPES, CacheError, ShardWriter, cache_manifest
-from .data.capture import MlpCapture
-from .data.text import batch_sequences, iter_sequences
+from .data.capture import MlpCapture, capture_batch_size
+from .data.text import batch_sequences
+from .data.token_cache import train_sequences
 from .preflight import plan_run
 from .publishing.run_folder import write_json
 from .recipe import Recipe
 from .recipe.data import token_budget_to_sequences
 from .surgery.splice import load_base_model
+from .training.compute import matmul_precision
 
 __all__ = ["capture_activations"]
 
@@ -34,8 +36,9 @@ def capture_activations(
     data.activation_cache), stored as `dtype` (default: the base model's, recipe.dtype); returns the folder.
     `progress`: a bar over the sequences (as upcycle's over steps) instead of a `log` line per shard.
 
-    The base model runs in recipe.dtype on train.device under no_grad, train.capture_batch_sequences sequences per
-    forward (as a live run). Shards of `shard_tokens` tokens (rounded up to whole sequences; default ~256 MiB)."""
+    The base model runs in recipe.dtype on train.device under no_grad, with the recipe's capture precision, TF32
+    setting and sequences per forward (train.capture_precision, tf32, capture_batch_sequences), as a live run. Shards
+    of `shard_tokens` tokens (rounded up to whole sequences; default ~256 MiB)."""
     say = log or (lambda message: None)
     target = output if output is not None else recipe.data.activation_cache
     if target is None:
@@ -62,6 +65,8 @@ def capture_activations(
     check_output_location(output, what="--output", need_bytes=bytes_per_token * wanted * t)
     base = load_base_model(recipe.base_model, dtype=getattr(torch, recipe.dtype)).to(plan.device).eval()
     base.requires_grad_(False)
+    per_forward = capture_batch_size(recipe.train.capture_batch_sequences, base.config, t, plan.device,
+                                     itemsize=next(base.parameters()).element_size(), max_sequences=wanted)
     per_shard = (
         max(1, SHARD_BYTES // (bytes_per_token * t)) if shard_tokens is None else max(1, math.ceil(shard_tokens / t))
     )
@@ -71,11 +76,12 @@ def capture_activations(
     staging.mkdir(parents=True)
     try:
         writer = ShardWriter(staging, plan.layer_ids, storage, per_shard)
-        capture = MlpCapture(base, plan.layer_ids)
-        sequences = iter_sequences(data, plan.tokenizer, split="train")
+        capture = MlpCapture(base, plan.layer_ids, precision=recipe.train.capture_precision)
+        sequences = train_sequences(data, plan.tokenizer)(0)
         logged = 0
-        with torch.no_grad(), tqdm(total=wanted, desc="capture", unit="seq", disable=not progress) as bar:
-            for input_ids in batch_sequences(sequences, recipe.train.capture_batch_sequences):  # (B, T)
+        with torch.no_grad(), matmul_precision(plan.device, recipe.train.tf32), \
+                tqdm(total=wanted, desc="capture", unit="seq", disable=not progress) as bar:
+            for input_ids in batch_sequences(sequences, per_forward):  # (B, T)
                 writer.add(input_ids, capture(input_ids.to(plan.device)))
                 bar.update(len(input_ids))
                 if len(writer.shards) > logged:
@@ -87,7 +93,7 @@ def capture_activations(
         if not writer.sequences:
             raise CacheError("the train split gave no sequence; add text or lower data.context_length")
         manifest = cache_manifest(recipe, plan.layer_ids, d_model=d, storage_dtype=dtype, device=plan.device,
-                                  writer=writer, wanted=wanted)
+                                  writer=writer, wanted=wanted, capture_batch_sequences=per_forward)
         write_json(staging / CACHE_MANIFEST, manifest)  # last: a folder without it is incomplete
         os.replace(staging, output)
     except BaseException:

@@ -207,6 +207,7 @@ def output_bytes(plans: list[RunPlan]) -> int:
 def plan_run(recipe: Recipe, *, world_size: int = 1, check_layer_memory: bool = True) -> RunPlan:
     """Resolve and check everything about `recipe` that needs no training; raises ExpertizeError on a problem."""
     from .data.check import check_data
+    from .training.compute import check_precision
     from .training.device import resolve_device
 
     lm_eval = LmEvalPlan.from_eval_config(recipe.eval)  # unknown task names fail now, not after training
@@ -217,6 +218,7 @@ def plan_run(recipe: Recipe, *, world_size: int = 1, check_layer_memory: bool = 
     check_not_sparse(recipe.base_model, config, layer_ids)  # an expertize base: only its dense layers
     spec = resolve_layer_spec(recipe.layer, shape, recipe.train.balance)
     device = resolve_device(recipe.train.device)
+    check_precision(recipe, device)
     model = f"base_model {recipe.base_model!r}"
     check_context_length(recipe.data.context_length, config, setting="data.context_length", model=model)
     generated = recipe.eval.prompt_tokens + recipe.eval.continuation_tokens  # the greedy-continuation match

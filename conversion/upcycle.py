@@ -17,6 +17,7 @@ then fails naming it.
 """
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -29,9 +30,10 @@ from expertize.modeling import SparseLayer, build_sparse_layer
 
 from .data.activations import ActivationBatches
 from .data.cache import cached_batches, open_matching_cache
-from .data.capture import MlpCapture, excluded_token_ids
+from .data.capture import MlpCapture, capture_batch_size, excluded_token_ids
 from .data.separators import check_separators
-from .data.text import iter_sequences, load_eval_sequences, stream_train_tokens
+from .data.text import load_eval_sequences, stream_train_tokens
+from .data.token_cache import train_sequences
 from .errors import RunFailed
 from .evaluation.evaluate import evaluate_sparse_layers, spliced_ce
 from .evaluation.shared_passes import AblationMemo
@@ -47,6 +49,7 @@ from .recipe import Recipe, recipe_to_dict, variant_recipes
 from .surgery.dense_init import init_moe_from_dense
 from .surgery.families import decoder_blocks
 from .surgery.splice import load_base_model, splice
+from .training.compute import compute_record, matmul_precision
 from .training.device import make_accelerator, world_size
 from .training.distill import Trainer
 from .training.engine import rng_state, set_rng_state
@@ -176,6 +179,8 @@ class Trained:
     eval_sequences: torch.Tensor | None = field(default=None, repr=False)
     rng: Any = field(default=None, repr=False)
     """The torch RNG state right after the layers were built: where this run's training draws from."""
+    compute: dict | None = None
+    """How the capture and the training ran (`training.compute.compute_record`), for provenance.json."""
 
 
 def _run(plans: list[RunPlan], folders: list[RunFolder], accelerator, *, progress: bool, say: Log) -> None:
@@ -258,6 +263,10 @@ def distil(
         recipe, base, plans[0].tokenizer, plans[0].layer_ids, plans[0].distill_steps, accelerator.device,
         rank=accelerator.process_index, world_size=accelerator.num_processes,
     )
+    compute = compute_record(
+        recipe, accelerator.device, attention=base.config._attn_implementation,
+        capture_batch_sequences=None if cache is not None else batches.capture_batch_sequences,
+    )
     trainers = []
     for plan, run, folder in zip(plans, trained, folders):
         set_rng_state(run.rng)  # the trainer starts from this run's RNG (MxD's random K draws from it)
@@ -268,11 +277,14 @@ def distil(
             variant=folder.root.name if len(plans) > 1 else None,
         ))
     try:
-        diverged = train_together(trainers)
+        # TF32 for the capture (run lazily by the batches) and the training; the evaluation stays in full fp32
+        with matmul_precision(accelerator.device, recipe.train.tf32):
+            diverged = train_together(trainers)
     finally:
         for trainer in trainers:
             trainer.release()
     for plan, run, trainer in zip(plans, trained, trainers):
+        run.compute = compute
         if trainer in diverged:
             continue
         with trainer.own_rng(len(trainers) > 1):
@@ -296,7 +308,8 @@ def heal(plan: RunPlan, base, trained: Trained, folder: RunFolder, accelerator, 
         checkpoint_path=folder.heal_state, log_path=folder.heal_log, precision=recipe.train.precision,
         progress=progress, log=say, log_with=recipe.train.log_with,
     )
-    trained.healed_model = healer.fit()
+    with matmul_precision(accelerator.device, recipe.train.tf32):
+        trained.healed_model = healer.fit()
     trained.layers = trained.healed_model.sparse_layers()
     trained.heal_summary = healer.summary()
 
@@ -355,7 +368,9 @@ def publish(
                 "kept. Check train.precision / dtype (bf16 overflow), or lower train.lr and start over with --restart"
             )
         stage.write_yaml(RESOLVED_RECIPE, recipe_to_dict(recipe))
-        stage.write_json(PROVENANCE, provenance(recipe, device=accelerator.device))
+        compute = trained.compute or compute_record(  # no distillation: only the settings and the base
+            recipe, accelerator.device, attention=base.config._attn_implementation)
+        stage.write_json(PROVENANCE, provenance(recipe, device=accelerator.device, compute=compute))
         refresh_model_card(stage.path)  # from config.json, metrics.json and provenance.json, as `expertize eval` does
         folder.publish(stage)
 
@@ -381,14 +396,19 @@ def activation_batches(
     train, data = recipe.train, recipe.data
     # Several processes read a little more, so every rank fills the last step (text.stream_train_tokens).
     data = dataclasses.replace(data, train_tokens=stream_train_tokens(data, world_size))
+    # Never buffer beyond the run's budget (the stream ends there).
+    shuffle_buffer_tokens = min(train.shuffle_buffer_tokens, total_steps * train.tokens_per_step)
     return ActivationBatches(
-        MlpCapture(base, layer_ids),
-        lambda start: iter_sequences(data, tokenizer, split="train", start_sequence=start),
+        MlpCapture(base, layer_ids, precision=train.capture_precision),
+        train_sequences(data, tokenizer),
         context_length=data.context_length,
         tokens_per_step=train.tokens_per_step,
-        # Never buffer beyond the run's budget (the stream ends there).
-        shuffle_buffer_tokens=min(train.shuffle_buffer_tokens, total_steps * train.tokens_per_step),
-        capture_batch_sequences=train.capture_batch_sequences,
+        shuffle_buffer_tokens=shuffle_buffer_tokens,
+        capture_batch_sequences=capture_batch_size(
+            train.capture_batch_sequences, base.config, data.context_length, device,
+            itemsize=next(base.parameters()).element_size(),
+            max_sequences=math.ceil(max(shuffle_buffer_tokens, train.tokens_per_step) / data.context_length),
+        ),
         seed=train.seed,
         device=device,
         rank=rank,

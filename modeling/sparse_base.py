@@ -706,32 +706,45 @@ def _gathered_rows_backward(
     return (grad_x.detach().to(x.dtype) if need_x else None), grad_rows
 
 
+def positive_topk_index(score: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
+    """Index (T, K) of the top K of `score` (T, N) = pre + b among the entries with pre > 0 (i.e. score > b), as
+    `relu_topk` with a selection bias chooses them. `score` may be overwritten.
+
+    On the CPU, outside tracing: one unmasked top K, and the mask only for the rows where a non-positive entry took a
+    slot (a raised bias outranked a positive score; rare in training, and every row with fewer than K positive
+    entries). Where every chosen entry is positive, they are also the top K of the positive entries, so the choice is
+    exactly the masked one's. Masking every column instead (a broadcast compare-and-fill over (T, N)) cost about 2x
+    the top K itself on 2 CPU threads (9 ms vs 4.7 ms at T = 1,024, N = 3,584; docs/results/speed.md). A GPU or a
+    traced graph masks every column (one pass, no host synchronization to find the rows)."""
+    b = b.to(score.dtype)  # autocast may compute the scores in a lower precision
+    if score.is_cuda or torch.compiler.is_compiling():
+        score.masked_fill_(score <= b, float("-inf"))  # pre <= 0
+        return score.topk(k, dim=-1, sorted=False).indices  # (T, K)
+    index = score.topk(k, dim=-1, sorted=False).indices  # (T, K), unmasked
+    rows = (score.gather(-1, index) <= b[index]).any(-1).nonzero().squeeze(-1)  # (R,) a non-positive entry chosen
+    if rows.numel():
+        redo = score.index_select(0, rows)  # (R, N)
+        redo.masked_fill_(redo <= b, float("-inf"))
+        index.index_copy_(0, rows, redo.topk(k, dim=-1, sorted=False).indices)
+    return index
+
+
 def biased_linear_relu_topk(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k: int, selection_bias: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`relu_topk(F.linear(x, weight, bias), k, selection_bias)` in fewer passes over the (T, N) scores: the bias is
-    added inside the matmul (score = pre + b), and only the units whose score could put a non-positive
-    pre-activation ahead of a positive one are masked. Same choice among the positive entries (up to the float
-    rounding of the fused add), same values; where fewer than K entries are positive, the zero-weight fillers may be
-    other units than `relu_topk`'s (they never fire). Returns (values, index), each (T, K).
+    added inside the matmul (score = pre + b) and `positive_topk_index` chooses without a dense mask where it can.
+    Same choice among the positive entries (up to the float rounding of the fused add), same values; where fewer
+    than K entries are positive, the zero-weight fillers may be other units than `relu_topk`'s (they never fire).
+    Returns (values, index), each (T, K).
 
     Why: `relu_topk`'s where(pre > 0, pre + b, -inf) is three elementwise passes over (T, N), which cost 1.2-1.6x a
-    whole training step at small widths (benchmarks/dead_unit_overhead.py). With b >= 0 (the floor rule keeps it so,
-    most entries at 0), an unbiased unit with pre <= 0 can never outrank a positive one, so only the biased columns
-    need the mask; a negative entry anywhere (the symmetric rule), a GPU or a traced graph masks every column (one
-    compare-and-fill pass, no host synchronization on a GPU).
+    whole training step at small widths (benchmarks/dead_unit_overhead.py).
     """
     b = selection_bias.to(weight.dtype)
     score = F.linear(x, weight, b if bias is None else bias + b)  # (T, N) = pre + b
-    b = b.to(score.dtype)  # autocast may compute the matmul in a lower precision
-    if score.is_cuda or torch.compiler.is_compiling() or bool((b < 0).any()):
-        score.masked_fill_(score <= b, float("-inf"))  # pre <= 0
-    else:
-        biased = b.nonzero().squeeze(-1)  # (A,) units whose bias is raised
-        if biased.numel():
-            columns = score.index_select(1, biased)  # (T, A)
-            score.index_copy_(1, biased, columns.masked_fill_(columns <= b[biased], float("-inf")))
-    index = score.topk(k, dim=-1, sorted=False).indices  # (T, K)
+    index = positive_topk_index(score, b, k)  # (T, K)
+    b = b.to(score.dtype)
     return F.relu(score.gather(-1, index) - b[index]), index  # ReLU(pre) at the chosen units
 
 
@@ -752,9 +765,13 @@ class LinearReluTopK(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, k, selection_bias=None, need_pre=True):
         # x (T, I), weight (N, I), bias / selection_bias (N,)
-        if selection_bias is None or need_pre:
+        if selection_bias is None:
             pre = F.linear(x, weight, bias)  # (T, N)
-            values, index = relu_topk(pre, k, selection_bias)  # (T, K) each
+            values, index = relu_topk(pre, k)  # (T, K) each
+        elif need_pre:  # AuxK reads the pre-activations this step: kept, and the choice made on pre + b
+            pre = F.linear(x, weight, bias)  # (T, N)
+            index = positive_topk_index(pre + selection_bias.to(pre.dtype), selection_bias, k)  # (T, K)
+            values = F.relu(pre.gather(-1, index))
         else:  # nobody reads the pre-activations this step (AuxK is not running): the cheaper biased choice
             values, index = biased_linear_relu_topk(x, weight, bias, k, selection_bias)
             pre = x.new_empty(0)

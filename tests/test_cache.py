@@ -218,3 +218,20 @@ def test_capture_cli(cache_run, capsys):
     assert ActivationCache(tmp_path / "c").manifest["storage_dtype"] == "float16"
     assert cli_main(["capture", str(recipe), "--no-progress"]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+def test_a_bf16_capture_is_cached_as_such_and_refused_for_an_fp32_recipe(cache_run):
+    # train.capture_precision decides the pairs: the cache records it, a recipe with another one is refused, and a
+    # bf16-capture cache gives the live bf16-capture batches bit for bit. A cache written before the key existed
+    # was captured in fp32.
+    tmp_path, tree = cache_run
+    bf16 = {**tree, "train": {**tree["train"], "capture_precision": "bf16"}}
+    cache = capture_activations(recipe_from_dict(bf16), tmp_path / "cache")
+    manifest = json.loads((cache / CACHE_MANIFEST).read_text())
+    assert manifest["base"]["capture_precision"] == "bf16" and manifest["capture_batch_sequences"] == 16
+    _assert_same_batches(*(s.batches() for s in _streams(bf16, cache)))
+    assert ActivationCache(cache).mismatches(recipe_from_dict(tree), [0, 1]) == [
+        "train.capture_precision (cache: 'bf16', recipe: 'fp32')"]
+    del manifest["base"]["capture_precision"]
+    (cache / CACHE_MANIFEST).write_text(json.dumps(manifest))
+    assert ActivationCache(cache).mismatches(recipe_from_dict(tree), [0, 1]) == []

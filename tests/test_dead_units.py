@@ -20,6 +20,7 @@ from expertize.conversion.data.capture import excluded_token_ids, kept_positions
 from expertize.conversion.data.text import iter_sequences, load_eval_sequences
 from expertize.conversion.recipe.data import DataConfig
 from expertize.conversion.evaluation.evaluate import evaluate_sparse_layers
+from expertize.conversion.training.compute import make_adamw
 from expertize.conversion.training.losses import LOSSES
 from expertize.conversion.recipe import EvalConfig, TrainConfig
 from expertize.conversion.training.auxk import DeadUnitTracker, auto_k_aux, auxk_loss, fired_units
@@ -87,7 +88,10 @@ def _reference(layers, batches, cfg, steps, auxk_coef: float):
     from the building blocks: per layer a DeadUnitTracker fed with each step's code, and auxk_loss on its dead mask
     once a window has passed. Returns the per-step records {layer: (dead count, auxk loss or None)}."""
     params = [p for _, layer in sorted(layers.items()) for p in layer.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    # the engine's AdamW kernel (fused on a CPU, training/compute.py; tests/test_compute.py bounds it against
+    # the per-parameter loop): this reference checks the loop around it, bit for bit
+    optimizer = make_adamw(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                           device=torch.device("cpu"))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, steps))
     trackers = {i: DeadUnitTracker(layer.num_units, cfg.dead_window_tokens) for i, layer in layers.items()}
     with torch.no_grad():

@@ -197,4 +197,14 @@ def test_the_prompt_example_of_docs_inspect_md_is_what_the_quickstart_prints(tmp
     assert main(["upcycle", "quickstart", "--no-progress", "--set", f"output_dir={out}"]) == 0
     capsys.readouterr()
     assert main(["inspect", str(out), "--prompt", prompt, "--per-token", per_token]) == 0
-    assert capsys.readouterr().out.splitlines()[: len(shown)] == shown
+    printed = capsys.readouterr().out.splitlines()[: len(shown)]
+    assert printed[:2] == shown[:2]  # the header
+    for got, want in zip(printed[2:], shown[2:], strict=True):
+        # position and token exactly; the units and activations up to float noise between CPUs (a near-tie may swap
+        # one unit), while a stale page (another training) shows other units
+        cells = re.compile(r"\s(\d+):(-?[\d.]+)")
+        assert cells.split(got)[0] == cells.split(want)[0], (got, want)
+        got_units, want_units = dict(cells.findall(got)), dict(cells.findall(want))
+        common = got_units.keys() & want_units.keys()
+        assert len(common) >= len(want_units) - 1, (got, want)
+        assert all(abs(float(got_units[u]) - float(want_units[u])) <= 0.02 for u in common), (got, want)

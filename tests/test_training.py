@@ -14,6 +14,7 @@ from expertize.conversion.recipe.data import DataConfig
 from expertize.conversion.errors import ExpertizeError, RunFailed
 from expertize.conversion.recipe import HealConfig, TrainConfig
 from expertize.conversion.surgery.splice import splice
+from expertize.conversion.training.compute import make_adamw
 from expertize.conversion.training import device as device_mod
 from expertize.conversion.training.device import make_accelerator, resolve_device
 from expertize.conversion.training.distill import Trainer
@@ -216,7 +217,10 @@ def test_distillation_matches_the_reference_loop_bit_for_bit(tmp_path):
     from expertize.conversion.training.losses import LOSSES
 
     params = [p for _, layer in sorted(reference.items()) for p in layer.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    # the engine's AdamW kernel (fused on a CPU, training/compute.py; tests/test_compute.py bounds it against
+    # the per-parameter loop): this reference checks the loop around it, bit for bit
+    optimizer = make_adamw(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                           device=torch.device("cpu"))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, 6))
     with torch.no_grad():
         for i, (_, y) in batches.data[0].items():

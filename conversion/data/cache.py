@@ -63,11 +63,13 @@ STORAGE_DTYPES = ("float32", "bfloat16", "float16")
 SHARD_BYTES = 256 * 2**20
 """Default shard size (whole sequences, at least one): a shard is read whole into memory only by `capture`."""
 NOT_COMPARED = ("paths", "eval_paths", "train_tokens", "eval_tokens", "exclude_special_positions", "activation_cache",
-                "streaming")
+                "token_cache", "streaming")
 """data fields a cache need not match: paths and eval_paths are compared as resolved files and sizes (`corpus`),
 train_tokens as coverage; eval_tokens does not touch the train stream, excluded positions are recomputed from the
-stored token ids, the cache folder names itself, and streaming changes how a hub dataset is read, not what it holds.
-Every other (and any future) data field must be equal."""
+stored token ids, the cache folders name themselves, and streaming changes how a hub dataset is read, not what it
+holds. Every other (and any future) data field must be equal."""
+LEGACY_BASE = {"capture_precision": "fp32"}
+"""Values of base-identity keys that caches written before the key existed were captured with."""
 
 
 class CacheError(ExpertizeError):
@@ -92,12 +94,15 @@ def _shard_name(index: int) -> str:
 
 
 def _base_identity(recipe) -> dict[str, Any]:
+    """What produced the pairs on the base model's side: the model, its revision and dtype, and the precision of its
+    capture forward (train.capture_precision: a bf16-autocast capture gives other pairs)."""
     path = Path(os.path.expanduser(recipe.base_model))
     model = str(path.resolve()) if path.exists() else recipe.base_model
-    return {"base_model": model, "base_revision": recipe.base_revision, "dtype": recipe.dtype}
+    return {"base_model": model, "base_revision": recipe.base_revision, "dtype": recipe.dtype,
+            "capture_precision": recipe.train.capture_precision}
 
 
-def _stream_identity(data) -> dict[str, Any]:
+def stream_identity(data) -> dict[str, Any]:
     """The data fields that decide the train stream's sequences (see NOT_COMPARED) and the corpus files' sizes."""
     fields = {f.name: getattr(data, f.name) for f in dataclasses.fields(data) if f.name not in NOT_COMPARED}
     fields["corpus"] = [_corpus_file(p, data.source) for p in resolve_paths(data.paths)] if data.paths else []
@@ -177,9 +182,10 @@ def _sha256(path: Path) -> str:
 
 
 def cache_manifest(recipe, layers: list[int], *, d_model: int, storage_dtype: str, device, writer: ShardWriter,
-                   wanted: int) -> dict[str, Any]:
+                   wanted: int, capture_batch_sequences: int) -> dict[str, Any]:
     """cache.json of a finished capture: what produced the pairs (compared by `ActivationCache.mismatches`), the
-    shards `writer` wrote, and whether the train split ran out before the `wanted` sequences."""
+    shards `writer` wrote, whether the train split ran out before the `wanted` sequences, and the sequences per
+    capture forward (as resolved from train.capture_batch_sequences)."""
     from expertize import __version__
     from importlib import metadata
 
@@ -194,8 +200,8 @@ def cache_manifest(recipe, layers: list[int], *, d_model: int, storage_dtype: st
         "d_model": d_model,
         "storage_dtype": storage_dtype,
         "device": str(device),
-        "capture_batch_sequences": recipe.train.capture_batch_sequences,
-        "stream": _stream_identity(data),
+        "capture_batch_sequences": capture_batch_sequences,
+        "stream": stream_identity(data),
         "data": {k: v for k, v in dataclasses.asdict(data).items() if k != "activation_cache"},
         "context_length": t,
         "train_tokens": data.train_tokens,
@@ -254,12 +260,14 @@ class ActivationCache:
         `world_size` processes)."""
         m, out = self.manifest, []
         for key, want in _base_identity(recipe).items():
-            if m["base"].get(key) != want:
-                out.append(f"{key} (cache: {m['base'].get(key)!r}, recipe: {want!r})")
+            have = m["base"].get(key, LEGACY_BASE.get(key))
+            if have != want:
+                name = f"train.{key}" if key in LEGACY_BASE else key
+                out.append(f"{name} (cache: {have!r}, recipe: {want!r})")
         missing = sorted(set(layer_ids) - set(self.layers))
         if missing:
             out.append(f"layers (the cache holds {self.layers}, the recipe also needs {missing})")
-        want = _stream_identity(recipe.data)
+        want = stream_identity(recipe.data)
         for key in sorted(set(want) | set(m["stream"])):
             if m["stream"].get(key) != want.get(key):
                 name = ("data.paths (the corpus files or their sizes, data.eval_paths' too)" if key == "corpus"

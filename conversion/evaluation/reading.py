@@ -114,10 +114,8 @@ def _agree_for(curve: list[float]) -> int:
 
 
 def _dead(fraction: float) -> str:
-    """A dead fraction as a percentage that never rounds a nonzero share to 0 %."""
-    if 0 < fraction < 0.01:
-        return f"{fraction:.2%}"
-    return f"{fraction:.0%}"
+    """A dead fraction as a percentage to three significant digits: a nonzero share never reads as 0 %."""
+    return f"{fraction * 100:.3g} %"
 
 
 def _under_training(train) -> list[str]:

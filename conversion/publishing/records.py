@@ -58,9 +58,10 @@ def _lr(recipe: Recipe) -> str:
     return f"{recipe.train.lr}"
 
 
-def provenance(recipe: Recipe, *, device: torch.device | str | None = None) -> dict:
-    """Versions, seed, git commit, the base model (as given, and its Hub id when it came from the Hub) and the
-    device the run actually trained on."""
+def provenance(recipe: Recipe, *, device: torch.device | str | None = None, compute: dict | None = None) -> dict:
+    """Versions, seed, git commit, the base model (as given, and its Hub id when it came from the Hub), the device
+    the run actually trained on and how its arithmetic ran there (`compute`: training/compute.py's
+    `compute_record`: TF32, the capture's and the layers' precision, attention kernel, AdamW kernel, compile)."""
     versions = {}
     for name in PACKAGES:
         try:
@@ -77,6 +78,7 @@ def provenance(recipe: Recipe, *, device: torch.device | str | None = None) -> d
         "base_revision": recipe.base_revision,
         "base_license": base_license(recipe.base_model, recipe.base_revision),
         "device": None if device is None else str(device),
+        "compute": compute,
         "eval_sequences_per_token_budget": token_budget_to_sequences(recipe.data.eval_tokens, recipe.data.context_length),
     }
 

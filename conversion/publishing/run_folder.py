@@ -147,7 +147,8 @@ def run_identity(resolved_recipe: dict) -> dict:
     """What decides whether a folder's unfinished (or finished) run is the same run as `resolved_recipe`: the recipe
     without `output_dir` (the folder names itself: `runs/a`, `runs/a/`, `/abs/runs/a` and `../runs/a` from a
     subfolder are one folder) and with its local paths canonical (a base model folder, data.paths and eval_paths, the
-    activation cache), so a rerun spelled differently resumes instead of being refused. A Hub id stays as it is."""
+    activation cache), so a rerun spelled differently resumes instead of being refused; data.token_cache is left out
+    (it changes where token ids come from, not which). A Hub id stays as it is."""
     tree = copy.deepcopy(dict(resolved_recipe))
     tree.pop("output_dir", None)
     base = tree.get("base_model")
@@ -159,6 +160,7 @@ def run_identity(resolved_recipe: dict) -> dict:
             if isinstance(data.get(key), list):
                 data[key] = [_local_path(p) for p in data[key]]
         data["activation_cache"] = _local_path(data.get("activation_cache"))
+        data.pop("token_cache", None)  # where token ids are kept between runs: the same ids either way
     return tree
 
 

@@ -87,6 +87,12 @@ class DataConfig:
     distillation reads its pairs instead of running the base model, once its manifest is checked against this
     recipe's base model, layers and data section (a mismatch is refused). null: capture while training."""
 
+    token_cache: str | None = None
+    """A folder keeping the train split's packed token ids between runs (conversion/data/token_cache.py): a run
+    whose data section, corpus files (sizes and modification times) and tokenizer match an earlier run's reads its
+    ids instead of reading and tokenizing the text; otherwise it tokenizes as usual and writes them there. Not part
+    of the run's identity (the ids are the same either way). null: tokenize every run."""
+
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise ValueError(f"data.source must be one of {list(SOURCES)}, got {self.source!r}")
@@ -147,6 +153,8 @@ class DataConfig:
                 f"data.activation_cache must be the folder written by `expertize capture` (or null), got "
                 f"{self.activation_cache!r}"
             )
+        if self.token_cache is not None and not (isinstance(self.token_cache, str) and self.token_cache):
+            raise ValueError(f"data.token_cache must be a folder (or null), got {self.token_cache!r}")
 
 
 def _is_int(value: Any) -> bool:

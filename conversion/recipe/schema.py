@@ -76,8 +76,24 @@ class TrainConfig:
     shuffle_buffer_tokens: int = 65536
     """Captured activations are shuffled across sequences in a buffer of this many tokens (MxD paper: 524,288)."""
 
-    capture_batch_sequences: int = 32
-    """Sequences per base-model forward when capturing activations."""
+    capture_batch_sequences: int | Literal["auto"] = "auto"
+    """Sequences per base-model forward when capturing activations: "auto" = on a GPU, the largest power of two
+    whose forward fits in a quarter of the free memory, up to 65,536 tokens per forward; on a CPU 32
+    (data/capture.py's `capture_batch_size`); or a number, used as given."""
+
+    capture_precision: Literal["fp32", "bf16"] = "fp32"
+    """Arithmetic of the base model's capture forward: "fp32" (MxD paper) or "bf16" autocast (the weights stay in
+    `dtype`, the matmuls and attention run in bf16, the captured pairs are handed on in `dtype`); its fidelity cost
+    is measured in docs/results/speed.md. Needs `dtype: float32`."""
+
+    tf32: bool = True
+    """On a CUDA GPU with TF32 tensor cores (A100, H100, ...), run the fp32 matmuls of the capture and of the
+    training in TF32 (10-bit mantissa products, fp32 sums); the evaluation always runs in full fp32. No effect on a
+    CPU. provenance.json records whether it was in effect."""
+
+    compile: bool = False
+    """torch.compile the sparse layers' forward (its backward follows): fewer kernels on a GPU, a compile of tens of
+    seconds first. Same loss and gradients as eager up to float rounding (tests/test_compute.py)."""
 
     log_every: int = 50
     """Log the training metrics every this many steps."""
@@ -166,7 +182,9 @@ class TrainConfig:
             raise ValueError(f"train.weight_decay: must be >= 0, got {self.weight_decay}")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"train.grad_clip: must be > 0 (or null for no clipping), got {self.grad_clip}")
-        for name in ("tokens_per_step", "shuffle_buffer_tokens", "capture_batch_sequences", "log_every"):
+        if self.capture_batch_sequences != "auto" and self.capture_batch_sequences < 1:
+            raise ValueError(f'train.capture_batch_sequences: must be >= 1 or "auto", got {self.capture_batch_sequences}')
+        for name in ("tokens_per_step", "shuffle_buffer_tokens", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "checkpoint_every", "seed"):
@@ -405,6 +423,11 @@ class Recipe:
             if duplicates:
                 raise ValueError(f"layers: index {duplicates[0]} appears more than once in {self.layers}")
         check_variants(self.variants, self.train.distill)
+        if self.train.capture_precision == "bf16" and self.dtype != "float32":
+            raise ValueError(
+                f"train.capture_precision: bf16 autocasts a float32 base model, but dtype is {self.dtype} (the whole "
+                "base already runs in it); set dtype: float32, or capture_precision: fp32"
+            )
         if not self.train.distill and self.heal is None:
             raise ValueError(
                 "train.distill is false and there is no heal: section, so nothing would train; add a heal: section "

@@ -41,8 +41,8 @@ VARIANT_TRAIN_KEYS = (
     "resample_every_tokens",
 )
 """The `train:` keys a variant may set: its own optimizer and loss. The others fix the shared activation stream or
-the run's cadence (tokens_per_step, seed, shuffle_buffer_tokens, capture_batch_sequences, checkpoint_every,
-log_every, device, distill, log_with)."""
+the run's cadence or its arithmetic (tokens_per_step, seed, shuffle_buffer_tokens, capture_batch_sequences,
+capture_precision, tf32, compile, checkpoint_every, log_every, device, distill, log_with)."""
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 

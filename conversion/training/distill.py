@@ -28,6 +28,7 @@ from ..recipe.lr_rule import MEASURED_STEPS, beyond_measured
 from .auxk import DeadUnitTracker, auto_k_aux, auxk_loss, code_l0, dead_window_tokens, fired_units, supports_auxk
 from .balance import SelectionBalancer, balanced
 from .resample import UNTIL_FRACTION, Resampler, auto_every_tokens, supports_resampling
+from .compute import compile_layers
 from .engine import Engine, OptimConfig, remove_hooks, run_paths
 
 
@@ -100,6 +101,7 @@ class Trainer(Engine):
             section=None if variant is None else f"variants[{variant}].train",
         )
         self.log_path = self.train_log.path
+        compile_layers(self.stack, cfg.compile)  # in place: the parameters, state-dict keys and hooks stay
         self.loss_fn = LOSSES[cfg.loss]
         first = next(iter(layers.values()))  # every layer of a run has the same spec
         if cfg.dead_window_tokens == "auto":

@@ -1,10 +1,11 @@
 """The one training engine of expertize: distillation (`distill.py`) and healing (`heal.py`) subclass `Engine` and
 supply only their batches, their loss and what they save beyond the weights.
 
-The engine owns AdamW, the learning-rate schedule, gradient clipping, bf16 autocast, the sparse layers'
-`before_optimizer_step` / `after_optimizer_step` hooks, non-finite detection, atomic checkpoint / exact resume
-(weights, optimizer, schedule, RNG, step; the data position is a function of the step), the JSONL log and the
-progress bar, and the experiment trackers (`tracking.py`, `train.log_with`). One step is
+The engine owns AdamW (fused where the device has the kernel: `compute.make_adamw`), the learning-rate schedule,
+gradient clipping, bf16 autocast, the sparse layers' `before_optimizer_step` / `after_optimizer_step` hooks,
+non-finite detection, atomic checkpoint / exact resume (weights, optimizer, schedule, RNG, step; the data position is
+a function of the step), the JSONL log and the progress bar, and the experiment trackers (`tracking.py`,
+`train.log_with`). One step is
 
     loss = compute_loss(batch) -> backward -> layer.before_optimizer_step() -> clip -> AdamW step -> schedule step
     -> zero grads -> layer.after_optimizer_step() -> track (device-side bookkeeping) -> step += 1
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from ..checks import NoSpaceLeft, disk_full, no_space_message
+from .compute import make_adamw
 from .errors import RunInterrupted, TrainingDiverged
 from .log import JsonlLog, truncate_log  # noqa: F401  (truncate_log: re-exported for callers of the old module)
 from .tracking import Tracking, tracking_dir
@@ -146,8 +148,9 @@ class Engine:
         self.accelerator, self.progress, self.log = accelerator, progress, log
         self.device = accelerator.device if accelerator is not None else torch.device(device or "cpu")
         self.params = list(params)
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
+        # fused where the device has the kernel (CUDA, CPU): one kernel per step, not a loop over parameters
+        self.optimizer = make_adamw(
+            self.params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, device=self.device
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_steps))
         if accelerator is not None:
