@@ -25,8 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ExpertizeError, RunFailed
-from .surgery.families import model_positions  # the family's positions attribute: one rule, re-exported here
 from .training.device import resolve_device
+
+
+def model_positions(config: Any) -> int | None:
+    """surgery/families.py's `model_positions` (the family's positions attribute: one rule), imported on call: the
+    CLI imports this module to build its parser, which must not import transformers (tests/test_cli_flags.py)."""
+    from .surgery.families import model_positions as positions
+
+    return positions(config)
+
 
 __all__ = [
     "NoSpaceLeft",

@@ -66,7 +66,8 @@ def test_another_models_report_is_refused_and_replaced_only_with_overwrite(model
 def test_a_rerun_of_the_same_model_replaces_its_report_whole(models, tmp_path, monkeypatch):
     a, _, corpus = models
     out = tmp_path / "report"
-    assert main(_argv(a, corpus, out, "--export", "delphi")) == 0
+    # (the folder records no base model: delphi's cache must name one)
+    assert main(_argv(a, corpus, out, "--export", "delphi", "--base-model", "gpt2")) == 0
     assert (out / "delphi_cache").is_dir() and (out / "layer_1.json").is_file()
     (out / "notes.md").write_text("mine")  # a file of the user's beside the report is kept
     # Spelled differently (a relative path), fewer layers, no export: the old report's other files are removed.
