@@ -18,9 +18,11 @@ import os
 import sys
 
 from .checks import at_least, int_list, non_negative_int, positive_float, positive_int
-from .cli_flags import Subcommand, corpus_pass_flags, lm_eval_limit, setting_flag, settings_from
+from .cli_flags import Subcommand, lm_eval_limit, setting_flag, settings_from
+from .cli_flags import say as _stderr
 from .errors import ExpertizeError
 from .export.command import add_export
+from .inspect_command import add_inspect
 
 
 def _upcycle(args: argparse.Namespace) -> int:
@@ -35,10 +37,6 @@ def _upcycle(args: argparse.Namespace) -> int:
         print(upcycle_summary(out))
         print(f"expertize: wrote {out}")
     return 0
-
-
-def _stderr(message: str) -> None:
-    print(f"expertize: {message}", file=sys.stderr, flush=True)
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -142,101 +140,6 @@ def _push(args: argparse.Namespace) -> int:
 
 def _mib(size: int) -> str:
     return f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.1f} KiB"
-
-
-def _inspect(args: argparse.Namespace) -> int:
-    from .checks import check_output_location, model_positions, resolve_device
-    from .inspection import (
-        InspectionError, format_prompt_view, inspect_folder, load_for_inspection, parse_corpora, prompt_ids,
-        prompt_view, report_bytes, token_texts,
-    )
-    from .inspection.output import ReportFolder, model_identity
-
-    device = resolve_device(args.device, "--device")
-    if args.prompt is not None:
-        model, tokenizer = load_for_inspection(args.model_dir, device)
-        ids = prompt_ids(tokenizer, args.prompt, max_positions=model_positions(model.config), log=_stderr)
-        print(format_prompt_view(prompt_view(model, ids, token_texts(tokenizer), top=args.per_token)))
-        return 0
-    if not args.corpus or not args.output:
-        raise InspectionError("give --corpus NAME=PATH (repeatable) and --output DIR, or --prompt TEXT")
-    settings = inspection_settings(args)
-    corpora = parse_corpora(args.corpus)
-    check_output_location(args.output, what="--output", need_bytes=report_bytes(args.model_dir, settings))
-    delphi = None
-    if args.export == "delphi":
-        import json
-        from pathlib import Path
-
-        from .export.folder import base_model_name
-
-        model_type = json.loads(Path(args.model_dir, "config.json").read_text(encoding="utf-8"))["model_type"]
-        # the base's name is refused before the pass, not after it
-        delphi = {"model_name": base_model_name(args.model_dir, args.base_model), "model_type": model_type}
-    # The folder is claimed before the pass (another model's report, a second inspect of it: refused up front).
-    with ReportFolder(args.output, model_identity(args.model_dir), overwrite=args.overwrite).claimed() as folder:
-        stats = inspect_folder(
-            args.model_dir, corpora, settings, device=device,
-            progress=None if args.no_progress else _inspect_progress,
-        )
-        if not args.no_progress:
-            print(file=sys.stderr)
-        written = folder.publish(stats.files_writer(delphi=delphi))
-    for layer, ls in sorted(stats.layers.items()):
-        dead = int((ls.counts == 0).sum())
-        print(f"layer {layer} ({ls.kind}): {ls.num_units:,} units, {dead:,} dead over {stats.tokens:,} tokens")
-    _stderr(f"wrote {', '.join(str(p) for p in written)}")
-    return 0
-
-
-def inspection_settings(args: argparse.Namespace):
-    """The `InspectionSettings` of parsed `inspect` flags."""
-    from .inspection import InspectionSettings
-
-    layers = tuple(args.layers) if args.layers else None
-    return settings_from(args, InspectionSettings, layers=layers, collect_locations=args.export == "delphi")
-
-
-def _inspect_progress(done: int, total: int) -> None:
-    print(f"\rexpertize: inspect: {done:,} / {total:,} tokens", end="", file=sys.stderr, flush=True)
-
-
-def _add_inspect(sub) -> None:
-    ins = sub.add_parser(
-        "inspect",
-        help="what every sparse unit responds to: JSON per layer and an offline HTML explorer, or a prompt's units",
-        description="One pass of MODEL_DIR over the named corpora, every sparse layer at once: per unit its firing "
-        "frequency (overall and per corpus), mean and max activation, top activating contexts and the tokens it "
-        "promotes / suppresses; router kinds add load per expert and router entropy. Writes DIR/layer_<i>.json and "
-        "DIR/index.html (self-contained, opens from disk). With --prompt: the units firing on each token.",
-    )
-    ins.later = _inspect_flags
-    ins.set_defaults(func=_inspect)
-
-
-def _inspect_flags(ins) -> None:
-    """The `inspect` flags; those of `InspectionSettings`' fields take its defaults (and docstrings)."""
-    from .inspection import InspectionSettings as S
-
-    ins.add_argument("model_dir", help="an expertize model folder (written by `expertize upcycle` or save_model)")
-    corpus_pass_flags(ins, S, corpus_help="a named corpus (.txt: one document per line or blank-line blocks; .jsonl: "
-                      "a \"text\" field); repeat for per-domain firing rates, e.g. --corpus code=code.txt "
-                      "--corpus wiki=wiki.jsonl")
-    ins.add_argument("--output", help="folder for layer_<i>.json and index.html")
-    ins.add_argument("--prompt", help="print the units firing on each token of this text instead")
-    ins.add_argument("--per-token", type=positive_int, default=5,
-                     help="--prompt: units shown per token and layer (default 5)")
-    setting_flag(ins, S, "top_n", type=positive_int)
-    setting_flag(ins, S, "left", type=non_negative_int)
-    setting_flag(ins, S, "right", type=non_negative_int, help="context tokens after the peak")
-    setting_flag(ins, S, "vocab_top", type=positive_int)
-    ins.add_argument("--export", choices=["delphi"], help="also write a delphi latent cache to DIR/delphi_cache")
-    ins.add_argument("--base-model", help="--export delphi: the base model's Hub id or folder, the cache's "
-                     "model_name (default: the one the folder records)")
-    ins.add_argument("--overwrite", action="store_true",
-                     help="replace the report of another model in --output (a report of the same model is always "
-                     "replaced; a folder that is not a report is never written into)")
-    ins.add_argument("--no-progress", action="store_true", help="no progress line")
 
 
 def _specialize(args: argparse.Namespace) -> int:
@@ -502,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tasks(sub)
     _add_plot_sweep(sub)
     _add_push(sub)
-    _add_inspect(sub)
+    add_inspect(sub)
     _add_specialize(sub)
     _add_capture(sub)
     add_export(sub)

@@ -112,3 +112,21 @@ def lm_eval_limit(text: str) -> int | float:
 def layer_list(text: str) -> tuple[int, ...]:
     """--layers 2,3: layer indices (0 or more)."""
     return tuple(non_negative_int(p.strip()) for p in text.split(",") if p.strip())
+
+
+def say(message: str) -> None:
+    """One status line of a command on stderr."""
+    import sys
+
+    print(f"expertize: {message}", file=sys.stderr, flush=True)
+
+
+def token_progress(command: str) -> Callable[[int, int], None]:
+    """The one-line progress of a pass over tokens on stderr (`expertize COMMAND: done / total tokens`, redrawn in
+    place); the caller ends the line when the pass is over."""
+    import sys
+
+    def report(done: int, total: int) -> None:
+        print(f"\rexpertize: {command}: {done:,} / {total:,} tokens", end="", file=sys.stderr, flush=True)
+
+    return report

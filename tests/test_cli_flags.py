@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from expertize.conversion.cli import build_parser, inspection_settings, specialization_settings
+from expertize.conversion.cli import build_parser, specialization_settings
+from expertize.conversion.inspect_command import inspection_settings
 from expertize.conversion.inspection import InspectionSettings
 from expertize.conversion.specialization import SpecializationSettings, specialize_folder
 

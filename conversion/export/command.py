@@ -4,7 +4,7 @@ CLI module only registers it)."""
 import argparse
 import sys
 
-from ..cli_flags import corpus_pass_flags, settings_from
+from ..cli_flags import corpus_pass_flags, settings_from, token_progress
 
 __all__ = ["add_export", "run_export"]
 
@@ -34,16 +34,12 @@ def run_export(args: argparse.Namespace) -> int:
     settings = settings_from(args, InspectionSettings, layers=layers, collect_locations=True)
     written = delphi_cache_from_folder(
         args.model_dir, args.output, parse_corpora(args.corpus), settings, base_model=args.base_model,
-        device=device, progress=None if args.no_progress else _progress,
+        device=device, progress=None if args.no_progress else token_progress("export"),
     )
     if not args.no_progress:
         print(file=sys.stderr)
     print(f"expertize: wrote a delphi latent cache of {len(written)} hookpoint(s) to {args.output}")
     return 0
-
-
-def _progress(done: int, total: int) -> None:
-    print(f"\rexpertize: export: {done:,} / {total:,} tokens", end="", file=sys.stderr, flush=True)
 
 
 def add_export(sub) -> None:

@@ -81,6 +81,13 @@ def export_delphi(
     return written
 
 
+def delphi_target(model_dir: str | os.PathLike, base_model: str | None = None) -> dict:
+    """`export_delphi`'s naming of a folder's base: {"model_name", "model_type"}; a folder that is not a whole
+    expertize folder, or names no loadable base, is refused here, before any pass over text."""
+    config = checked_source(model_dir)
+    return {"model_name": base_model_name(model_dir, base_model), "model_type": config["model_type"]}
+
+
 def delphi_cache_from_folder(
     model_dir: str | os.PathLike,
     output: str | os.PathLike,
@@ -97,10 +104,9 @@ def delphi_cache_from_folder(
 
     from ..inspection import inspect_folder
 
-    config = checked_source(model_dir)
-    model_name = base_model_name(model_dir, base_model)  # refused before the pass, not after it
+    target = delphi_target(model_dir, base_model)  # refused before the pass, not after it
     settings = dataclasses.replace(settings, collect_locations=True)
     with staged_output(output) as staging:
         stats = inspect_folder(model_dir, corpora, settings, device=device, progress=progress)
-        export_delphi(stats, staging, model_name=model_name, model_type=config["model_type"])
+        export_delphi(stats, staging, **target)
     return sorted(Path(output).iterdir())
