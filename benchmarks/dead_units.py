@@ -77,10 +77,9 @@ BUDGETS = {
 }
 
 
-def model_tree(name: str, args, budget: str, seed: int) -> dict:
-    """The recipe of one (model, budget, seed) run, without its variants."""
+def model_tree(name: str, args, tokens: int, seed: int) -> dict:
+    """The recipe of one (model, training tokens, seed) run, without its variants (benchmarks/code_share.py too)."""
     data = Path(args.data) if args.data else None
-    tokens = BUDGETS[name][("small", "large").index(budget)]
     per_step = args.tokens_per_step
     train = {**TRAIN, "seed": seed, "tokens_per_step": per_step, "warmup_steps": max(1, tokens // per_step // 10)}
     if name == "quickstart":
@@ -134,7 +133,7 @@ def resolve_lr(spec: str, tree: dict, kind: str) -> float:
 
 
 def run_tree(name: str, args, budget: int, seed: int, root: Path) -> tuple[dict, list[dict]]:
-    tree = model_tree(name, args, budget, seed)
+    tree = model_tree(name, args, BUDGETS[name][("small", "large").index(budget)], seed)
     suffix = "" if args.tokens_per_step == TRAIN["tokens_per_step"] else f"-t{args.tokens_per_step}"
     tree["output_dir"] = str(root / f"{name}-{budget}{suffix}-s{seed}")
     if name == "smollm2":
@@ -157,16 +156,17 @@ def run_tree(name: str, args, budget: int, seed: int, root: Path) -> tuple[dict,
     return tree, settings
 
 
-def ensure_cache(args, tree: dict) -> Path:
-    """SmolLM2's activation cache at the largest budget asked for (every run reads a prefix of its stream)."""
+def ensure_cache(args, tree: dict, tokens: int = BUDGETS["smollm2"][1]) -> Path:
+    """SmolLM2's activation cache of `tokens` training tokens, the largest budget asked for (every run reads a prefix
+    of its stream)."""
     from expertize.conversion.capture import capture_activations
     from expertize.conversion.recipe import recipe_from_dict
 
     if not args.cache_dir:
         raise SystemExit("smollm2 needs --cache-dir (its activations are captured once and shared by every run)")
-    folder = Path(args.cache_dir) / "smollm2-l15"
+    folder = Path(args.cache_dir) / ("smollm2-l15" if tokens == BUDGETS["smollm2"][1] else f"smollm2-l15-{tokens}")
     if not folder.exists():
-        biggest = dict(tree, data={**tree["data"], "train_tokens": BUDGETS["smollm2"][1]})
+        biggest = dict(tree, data={**tree["data"], "train_tokens": tokens})
         biggest["output_dir"] = str(Path(args.cache_dir) / "unused")
         print(f"  capturing SmolLM2 layer 15 into {folder} ...", flush=True)
         capture_activations(recipe_from_dict(biggest, source="benchmarks/dead_units.py"), folder)

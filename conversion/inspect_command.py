@@ -43,11 +43,29 @@ def _inspect(args: argparse.Namespace) -> int:
         if not args.no_progress:
             print(file=sys.stderr)
         written = folder.publish(stats.files_writer(delphi=delphi))
+    recorded = _recorded_reading(args.model_dir)
     for layer, ls in sorted(stats.layers.items()):
         dead = int((ls.counts == 0).sum())
-        print(f"layer {layer} ({ls.kind}): {ls.num_units:,} units, {dead:,} dead over {stats.tokens:,} tokens")
+        print(f"layer {layer} ({ls.kind}): {ls.num_units:,} units, {dead:,} dead over {stats.tokens:,} tokens"
+              + recorded["layers"].get(str(layer), ""))
+    if recorded["verdict"]:
+        print(recorded["verdict"])
     say(f"wrote {', '.join(str(p) for p in written)}")
     return 0
+
+
+def _recorded_reading(model_dir) -> dict:
+    """What the folder's metrics.json says of its code (issue 35: a unit report is read beside how much of the layer
+    the units carry): {"layers": {index: "; the code carries 5 % of ... (poor)"}, "verdict": the recorded verdict's
+    line or None}. Empty for a folder without metrics (a model saved from Python)."""
+    from .evaluation.reading import Verdict, code_share_phrase
+    from .publishing.metrics_schema import load_metrics
+
+    metrics = load_metrics(model_dir)
+    layers = {i: f"; {code_share_phrase(m.code_share)} (metrics.json, held-out text of its run)"
+              for i, m in metrics.layers.items() if m.code_share is not None}
+    verdict = Verdict.from_dict(metrics.verdict).line() if metrics.verdict else None
+    return {"layers": layers, "verdict": verdict}
 
 
 def inspection_settings(args: argparse.Namespace):

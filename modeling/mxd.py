@@ -232,6 +232,14 @@ class MxdLayer(SparseLayer):
         out = mix * modulation + self.b_dec  # (T, O)
         return out.view(*lead, -1)
 
+    def average_code_output(self, x: torch.Tensor, mean_weights: torch.Tensor) -> torch.Tensor:
+        """(Cᵀā) ⊙ (Dᵀz) + b with ā = `mean_weights` (N,): the output is linear in the code, so the average code is
+        one (O,) mix instead of an N-wide code per token. (..., I) -> (..., O)."""
+        lead = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1])  # (T, I)
+        mix = mean_weights.to(self.W_experts.dtype) @ self.W_experts  # Cᵀā: (O,)
+        return (mix * (self.hidden(x) @ self.W_dec) + self.b_dec).view(*lead, -1)
+
     def auxk_reconstruction(self, x: torch.Tensor, dead_mask: torch.Tensor, k_aux: int) -> torch.Tensor:
         """AuxK's ê for MxD: (Cᵀa_aux) * (Dᵀz) with a_aux = TopK_aux(ReLU(Gx + b_G)) over the dead experts, i.e. the
         dead experts' rows of C under the same dense modulation; no b_dec. (..., I), (N,) bool -> (..., O).

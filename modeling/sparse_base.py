@@ -414,6 +414,25 @@ class SparseLayer(nn.Module):
         none (the trainer then leaves the layer's init as it is). A kind with such a bias returns its parameter."""
         return None
 
+    def average_code_output(self, x: torch.Tensor, mean_weights: torch.Tensor) -> torch.Tensor:
+        """The layer's output on x (..., I) with every token's code replaced by the average code `mean_weights` (N,)
+        (each unit at its mean weight over some tokens): (..., O). What the code probe measures the code share with
+        (conversion/evaluation/code_probe.py) and what `train.code_share_floor` trains against, so it stays
+        differentiable in the layer's parameters. This default replaces the code at `code_hook` by a dense (..., N)
+        one — exact for every kind, but N-wide per token; kinds whose output is linear in the code override it."""
+        n = mean_weights.shape[0]
+
+        def average_code(module, args, code: SparseCode) -> SparseCode:
+            lead = code.top_k_index.shape[:-1]
+            index = torch.arange(n, device=mean_weights.device).expand(*lead, n)  # (..., N)
+            return SparseCode(index, mean_weights.to(code.top_k_weights.dtype).expand(*lead, n))
+
+        handle = self.code_hook.register_forward_hook(average_code)
+        try:
+            return self(x)
+        finally:
+            handle.remove()
+
     supports_auxk = False
     """Whether dead units can model the residual error through `auxk_reconstruction` (AuxK, Gao et al. 2024;
     conversion/training/auxk.py): kinds whose units are chosen by a top-k over their own parameters."""

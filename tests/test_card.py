@@ -7,6 +7,8 @@ import yaml
 from huggingface_hub import ModelCard
 
 from expertize.conversion.publishing.card import CITATIONS, format_count, format_number, format_percent, write_model_card
+from expertize.conversion.evaluation.reading import quality_verdict
+from expertize.conversion.publishing.metrics_schema import Metrics
 from expertize.modeling import MxdLayer, MxdSpec, TranscoderSpec
 from tests.conftest import D_HIDDEN, D_MODEL, run_isolated, tiny_base_model, write_json
 
@@ -98,14 +100,26 @@ def test_card_reads_a_packaged_base_by_name_prompts_with_held_out_text_and_gives
     model, no verdict, effective units with 4 decimals."""
     metrics = {**METRICS, "example_prompt": "ROMEO:\nBut soft, what light"}
     metrics["layers"] = {"8": {**METRICS["layers"]["8"], "effective_units": 461.4913}}
+    metrics["verdict"] = quality_verdict(Metrics.from_dict(metrics)).to_dict()  # as upcycle records it
     text = write(tmp_path, base_model="${EXPERTIZE_ASSETS}/tiny-gpt2-shakespeare", base_model_is_hub_id=False,
                  metrics=metrics, lm_eval=LM_EVAL, lm_eval_details=LM_EVAL_DETAILS).read_text(encoding="utf-8")
     assert "| task | metric | tiny-gpt2-shakespeare | this model | Δ |" in text
     assert 'inputs = tokenizer("ROMEO:\\nBut soft, what light", return_tensors="pt")' in text
     assert "capital of France" not in text
     assert "| 461.5 |" in text and "461.4913" not in text
-    assert "**Verdict: good** — layer 8 FVU 0.091 is good (good < 0.1, poor > 0.3); KL(base ‖ spliced) 8.71e-05" in text
+    assert "**Verdict: good** (fidelity good) — layer 8 FVU 0.091 is good (good < 0.1, poor > 0.3); KL(base ‖ spliced) " \
+        "8.71e-05" in text
     assert "| `wiki_ppl` (local) | `word_perplexity,none` |" in text and "(local): a task made from local text" in text
+
+
+def test_a_faithful_layer_whose_dense_path_does_the_work_is_not_graded_good_on_its_card(tmp_path):
+    """Issue 35: the card's first result line says both axes; a code share of 5 % makes the grade poor whatever the
+    fidelity (the card shows metrics.json's verdict, as upcycle recorded it)."""
+    metrics = {**METRICS, "layers": {"8": {**METRICS["layers"]["8"], "fvu_mean_code": 0.137, "code_share": 0.05}}}
+    metrics["verdict"] = quality_verdict(Metrics.from_dict(metrics)).to_dict()
+    text = write(tmp_path, metrics=metrics).read_text(encoding="utf-8")
+    assert "**Verdict: poor** (fidelity good, code poor) — layer 8's code carries 5% of what it explains: poor" in text
+    assert "Verdict: good" not in text
 
 
 def test_card_body_tables(tmp_path):

@@ -16,7 +16,7 @@ from expertize.conversion.inspection import LAYER_SCHEMA, SchemaError, validate
 from expertize.conversion.export.delphi import split_ranges
 from expertize.conversion.surgery.splice import save_model, splice
 from expertize.modeling import MoeXSpec, TranscoderSpec, build_sparse_layer
-from tests.conftest import D_MODEL, tiny_base_model, tiny_tokenizer, write_corpus
+from tests.conftest import D_MODEL, tiny_base_model, tiny_tokenizer, write_corpus, write_json
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +208,27 @@ def test_the_prompt_example_of_docs_inspect_md_is_what_the_quickstart_prints(tmp
         common = got_units.keys() & want_units.keys()
         assert len(common) >= len(want_units) - 1, (got, want)
         assert all(abs(float(got_units[u]) - float(want_units[u])) <= 0.02 for u in common), (got, want)
+
+
+def test_the_summary_reads_the_units_beside_how_much_of_the_layer_their_code_carries(model_dir, tmp_path, capsys):
+    """Issue 35: inspect's summary says, per layer, the code share the run measured and the run's verdict on both
+    axes (from the folder's metrics.json), so a unit report of a layer whose dense path does the work says so."""
+    import shutil
+
+    from expertize.conversion.evaluation.reading import quality_verdict
+    from expertize.conversion.publishing.metrics_schema import Metrics
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder)
+    metrics = {"layers": {"0": {"fvu": 0.02, "code_share": 0.05}, "1": {"fvu": 0.05, "code_share": 0.9}},
+               "ce": {"base": 3.0, "spliced": 3.01, "delta": 0.01, "kl_base_spliced": 0.005}}
+    metrics["verdict"] = quality_verdict(Metrics.from_dict(metrics)).to_dict()
+    write_json(folder / "metrics.json", metrics)
+    (tmp_path / "a.txt").write_text((model_dir.parent / "a.txt").read_text())
+    (tmp_path / "b.jsonl").write_text((model_dir.parent / "b.jsonl").read_text())
+    capsys.readouterr()
+    _inspect(folder, tmp_path)
+    out = capsys.readouterr().out
+    assert "layer 0 (transcoder): 300 units" in out and "the code carries 5% of what the layer explains: poor" in out
+    assert "the code carries 90% of what the layer explains: good" in out
+    assert "verdict: poor (fidelity good, code poor;" in out

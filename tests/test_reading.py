@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from expertize.conversion.evaluation.reading import quality_verdict, reading_lines
+from expertize.conversion.evaluation.reading import Verdict, quality_verdict, reading_lines
 from expertize.conversion.publishing.metrics_schema import Metrics
 
 
@@ -66,11 +66,12 @@ def test_the_quickstart_evaluated_on_held_out_wikitext_is_not_graded_good(tmp_pa
     out = tmp_path / "qs"
     assert main(["upcycle", "quickstart", "--no-progress", "--set", f"output_dir={out}",
                  "--set", "data.train_tokens=8192", "--set", "data.eval_tokens=4096",
+                 "--set", "train.warmup_steps=auto",  # 8 steps: the quickstart's 50 would be refused
                  "--set", "eval.generation_prompts=0", "--set", f"data.eval_paths=[{wiki}]"]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     expected = quality_verdict(Metrics.from_dict(metrics))
     assert metrics["verdict"] == expected.to_dict() and expected.grade != "good"
-    assert f"verdict: {expected.grade} — " in upcycle_summary(out)
+    assert f"verdict: {expected.grade} (fidelity {expected.fidelity}" in upcycle_summary(out)
 
 
 @pytest.mark.parametrize(
@@ -90,3 +91,48 @@ def test_the_reading_says_when_a_run_looks_under_trained(train, says):
     metrics = Metrics.from_dict({"layers": {"2": {"fvu": 0.2}}, "train": {"tokens": 200 * 1024, **train}})
     lines = [line for line in reading_lines(metrics) if line.startswith("under-trained")]
     assert (lines[0].find(says) > 0) if says else not lines, lines
+
+
+def _with_share(share, *, fvu=0.02, kl=0.005, recovered=0.97):
+    metrics = _metrics(fvu=fvu, kl=kl, delta=0.01, base=3.5, mean_ablation=4.5, zero_ablation=5.0, recovered=recovered)
+    metrics.layers["2"].code_share = share
+    return metrics
+
+
+@pytest.mark.parametrize(
+    "share, fvu, grade, fidelity, code",
+    [
+        (0.05, 0.02, "poor", "good", "poor"),  # the issue's MxD: KL 0.009, its experts carry 5 %: never good
+        (0.3, 0.02, "fair", "good", "fair"),
+        (0.8, 0.02, "good", "good", "good"),
+        (1.0, 0.2, "fair", "fair", "good"),  # a transcoder: the code carries everything, fidelity decides
+        (None, 0.02, "good", "good", None),  # no code share (e.g. FVU ≥ 1): graded on fidelity alone
+    ],
+)
+def test_the_verdict_has_two_axes_and_is_the_worse_of_fidelity_and_code(share, fvu, grade, fidelity, code):
+    """Issue 35: a layer whose dense path does the work is faithful in spite of its code; its overall grade is never
+    good (below CODE_SHARE[0]) and poor below the dense-path warning's bound."""
+    verdict = quality_verdict(_with_share(share, fvu=fvu))
+    assert (verdict.grade, verdict.fidelity, verdict.code) == (grade, fidelity, code)
+    if share is not None:
+        assert any(f"layer 2's code carries {share:.0%} of what it explains: {code}" in r for r in verdict.reasons)
+
+
+def test_the_verdict_line_says_what_it_weighs_and_round_trips_through_metrics_json():
+    """Issue 39 item 7: "verdict: fair" above "ΔCE ... is poor" read as a contradiction; the line says which
+    metrics it weighs and which it leaves to the lines below."""
+    verdict = quality_verdict(_with_share(0.05))
+    line = verdict.line()
+    assert line.startswith("verdict: poor (fidelity good, code poor; weighs FVU, KL, CE recovered and the code share; "
+                           "ΔCE, dead units and greedy match are read below, not weighed) — ")
+    assert Verdict.from_dict(json.loads(json.dumps(verdict.to_dict()))) == verdict
+    # A verdict recorded before the code axis (grade and reasons only) still reads.
+    assert Verdict.from_dict({"grade": "fair", "reasons": ["x"]}).line().startswith("verdict: fair (weighs FVU")
+
+
+def test_text_that_cannot_judge_by_ce_still_grades_a_dense_path_poor():
+    metrics = _metrics(fvu=0.05, kl=0.01, delta=0.001, base=4.0, mean_ablation=4.02, zero_ablation=4.03,
+                       recovered=0.95)
+    metrics.layers["2"].code_share = 0.05
+    verdict = quality_verdict(metrics)
+    assert (verdict.grade, verdict.fidelity, verdict.code) == ("poor", "cannot judge", "poor")

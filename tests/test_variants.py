@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from expertize.conversion.capture import capture_activations
 from expertize.conversion.errors import ExpertizeError, RunFailed
-from expertize.conversion.publishing.card import format_number
+from expertize.conversion.publishing.card import format_number, format_percent
 from expertize.conversion.publishing.run_folder import RunFolderTaken
 from expertize.conversion.recipe import RecipeError, load_recipe, recipe_from_dict, recipe_to_dict, variant_recipes
 from expertize.conversion.training.distill import Trainer
@@ -54,6 +54,7 @@ def _losses(folder: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (folder / "train_log.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # every variant trained twice (~12 s)
 def test_each_variant_equals_its_recipe_trained_alone(variants_run):
     """Distillation, then LoRA healing (whose adapters are initialized from the RNG) and evaluation per variant."""
     tmp_path, tree = variants_run
@@ -78,8 +79,16 @@ def test_each_variant_equals_its_recipe_trained_alone(variants_run):
     table = (out / "variants.md").read_text()
     assert upcycle_summary(out) == table.rstrip("\n")
     for name, kind, k, lr in (("a", "mxd", 4, "0.003"), ("b", "mxd", 2, "0.01"), ("c", "transcoder", 4, "0.003")):
-        delta = json.loads((out / name / "metrics.json").read_text())["ce"]["delta"]
-        assert f"| {name} | {kind} | {k} | 64 | {lr} | " in table and f" | {format_number(delta)} | " in table
+        metrics = json.loads((out / name / "metrics.json").read_text())
+        assert f"| {name} | {kind} | {k} | 64 | {lr} | " in table and f" | {format_number(metrics['ce']['delta'])} | " in table
+        # Issue 35: both axes of the verdict and the code share beside the fidelity.
+        row = next(line for line in table.splitlines() if line.startswith(f"| {name} | "))
+        verdict = metrics["verdict"]
+        assert verdict["fidelity"] and f" | {verdict['grade']} (fidelity {verdict['fidelity']}" in row
+        shares = [m["code_share"] for m in metrics["layers"].values() if m["code_share"] is not None]
+        cell = format_percent(sum(shares) / len(shares), 0) if shares else "–"
+        assert f" | {cell} | {verdict['grade']} (" in row
+    assert "| effective units | code share | verdict | health |" in table
 
 
 def test_variant_recipes_merge_the_layer_unless_the_kind_changes(variants_run):
@@ -116,6 +125,7 @@ def test_an_impossible_variant_is_refused_before_any_folder_is_made(variants_run
     assert not (tmp_path / "sweep").exists()
 
 
+@pytest.mark.slow  # upcycle processes killed and resumed
 def test_kill_between_two_variants_steps_resumes_exactly(variants_run, monkeypatch):
     """Ctrl-C inside variant b's step 6: a has done it and c has not begun it, so both are between two steps and
     save (at 6 and 5); b, mid-step, keeps its step-4 checkpoint. The rerun streams from step 4, a and c wait for
@@ -148,6 +158,7 @@ def test_kill_between_two_variants_steps_resumes_exactly(variants_run, monkeypat
         assert _losses(tmp_path / "sweep" / name) == _losses(straight / name)
 
 
+@pytest.mark.slow  # two variant runs
 def test_a_diverging_variant_stops_alone_and_the_rerun_trains_only_it(variants_run, monkeypatch):
     tmp_path, tree = variants_run
     compute_loss = Trainer.compute_loss
@@ -195,6 +206,7 @@ def test_variants_need_a_folder_of_their_own(variants_run):
     assert recipe_from_dict(single).variants == []
 
 
+@pytest.mark.slow  # two variant runs
 def test_variants_train_from_an_activation_cache_like_from_live_capture(variants_run):
     tmp_path, tree = variants_run
     tree["variants"] = VARIANTS[1:]
@@ -206,6 +218,7 @@ def test_variants_train_from_an_activation_cache_like_from_live_capture(variants
         _assert_same_weights(cached / name, live / name)
 
 
+@pytest.mark.slow  # a 2-process torchrun launch
 def test_two_process_data_parallel_variants_on_cpu(variants_run):
     """Variants under a 2-process launch (gloo on CPU): every variant trains on the shared stream and is published
     once."""

@@ -77,7 +77,7 @@ class CodeProbe:
         for code in codes:
             mean.index_add_(0, code.top_k_index.reshape(-1), code.top_k_weights.reshape(-1).double())
         mean = (mean / x.shape[0]).to(codes[0].top_k_weights.dtype)
-        y_mean_code = torch.cat([self._decode_with_code(c, mean) for c in x.split(CHUNK_TOKENS)])
+        y_mean_code = torch.cat([layer.average_code_output(c, mean) for c in x.split(CHUNK_TOKENS)])
         fvu, fvu_mean_code = _fvu(y, y_hat), _fvu(y, y_mean_code)
         out["fvu_mean_code"] = fvu_mean_code
         if fvu < 1.0:
@@ -86,21 +86,6 @@ class CodeProbe:
         if bias is not None:
             out["bias_altered"] = 0.0 if not bool((bias != 0).any()) else self._altered(x, codes)
         return out
-
-    def _decode_with_code(self, x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
-        """The layer's output on x (C, I) with every token's code replaced by `mean` (N,): (C, O)."""
-        n = mean.shape[0]
-
-        def average_code(module, args, code: SparseCode) -> SparseCode:
-            lead = code.top_k_index.shape[:-1]
-            index = torch.arange(n, device=mean.device).expand(*lead, n)  # (..., N)
-            return SparseCode(index, mean.expand(*lead, n))
-
-        handle = self.layer.code_hook.register_forward_hook(average_code)
-        try:
-            return self.layer(x)
-        finally:
-            handle.remove()
 
     def _altered(self, x: torch.Tensor, codes: list[SparseCode]) -> float:
         """Share of the biased code's (token, slot) entries whose unit plain top-K would not have chosen."""

@@ -1,23 +1,36 @@
 """How to read a run's key metrics: one verdict on the replacement, then what each metric says, for the end of
-`expertize upcycle`, metrics.json (`verdict`) and the model card.
+`expertize upcycle`, metrics.json (`verdict`), variants.md, the model card and `expertize inspect`.
 
-The verdict asks whether the sparse layers behave like the MLPs they replace, so it reads the metrics that measure
-that directly — each layer's FVU, KL(base ‖ spliced) and the CE recovered between the ablation baselines — and
-takes the worst grade among them. ΔCE alone cannot grade a run: on text the base does not model, the spliced model can
-beat the base (a negative ΔCE) while reconstructing nothing (FVU > 1), and removing the MLP may not hurt at all. When
-the mean and zero ablations raise the CE by less than ABLATION_GAP nats, the text cannot tell a faithful replacement
-from a broken one by CE, and the verdict says "cannot judge" unless FVU or KL already show it is poor.
+The verdict has two axes, and the overall grade is the worse of the two:
+
+- **fidelity** — do the sparse layers behave like the MLPs they replace? It reads the metrics that measure that
+  directly — each layer's FVU, KL(base ‖ spliced) and the CE recovered between the ablation baselines — and takes the
+  worst grade among them. ΔCE alone cannot grade a run: on text the base does not model, the spliced model can beat
+  the base (a negative ΔCE) while reconstructing nothing (FVU > 1), and removing the MLP may not hurt at all. When the
+  mean and zero ablations raise the CE by less than ABLATION_GAP nats, the text cannot tell a faithful replacement
+  from a broken one by CE, and the verdict says "cannot judge" unless FVU or KL already show it is poor.
+- **code** — is the fidelity the sparse code's? Each layer's code share (evaluation/code_probe.py: the share of what
+  the layer explains that is lost when every token gets the average code) is graded by CODE_SHARE: a layer whose
+  dense path (MxD's hidden code, a skip connection) does the work is faithful in spite of its experts, and the
+  question a reader asks — which units explain this token? — has a poor answer. So a layer is never graded "good"
+  overall when its code carries less than CODE_SHARE[0] of what it explains, and "poor" below CODE_SHARE[1] (the
+  dense-path warning's bound, health.CODE_SHARE_BOUND). Transcoders carry everything by construction (share 1).
+
+Not weighed: ΔCE (read beside CE recovered), dead units (the health warnings), the greedy-continuation match and
+lm-eval scores — each has its own line below the verdict.
 
 Rules of thumb: the MxD paper's ΔCE at a full budget (+0.003 nats, GPT-2, K=32); for dead units, the bound of the
-code-health warning (health.DEAD_BOUND: one number, so a run graded "poor" is the run that was warned about).
+code-health warning (health.DEAD_BOUND: one number, so a run graded "poor" is the run that was warned about); for the
+code share, half of what the layer explains (issue 35; docs/results/code_share.md measures where each kind lands).
 """
 
 import dataclasses
 
 from ..publishing.metrics_schema import Metrics
-from .health import DEAD_BOUND
+from .health import CODE_SHARE_BOUND, DEAD_BOUND
 
-__all__ = ["ABLATION_GAP", "CE_RECOVERED", "GRADES", "Verdict", "quality_verdict", "reading_lines"]
+__all__ = ["ABLATION_GAP", "CE_RECOVERED", "CODE_SHARE", "GRADES", "WEIGHS", "Verdict", "code_share_phrase",
+           "quality_verdict", "reading_lines"]
 
 GRADES = {
     "ΔCE": (0.02, 0.1),
@@ -28,6 +41,11 @@ GRADES = {
 """Rules of thumb, lower is better: good below the first bound, poor above the second, fair between."""
 CE_RECOVERED = (0.9, 0.5)
 """CE recovered vs the mean ablation, higher is better: good at or above the first bound, poor below the second."""
+CODE_SHARE = (0.5, CODE_SHARE_BOUND)
+"""A layer's code share, higher is better: good at or above the first bound (the code carries at least half of what
+the layer explains), poor below the second (the dense-path warning's bound)."""
+WEIGHS = "weighs FVU, KL, CE recovered and the code share; ΔCE, dead units and greedy match are read below, not weighed"
+"""What the verdict reads, said on its line (the other metrics have their own lines)."""
 ABLATION_GAP = 0.05
 """nats: below this rise of the CE under both ablations, the text cannot judge a replacement by its CE."""
 LOSS_DROP_BOUND = 0.05
@@ -50,19 +68,39 @@ def _grade_recovered(value: float) -> str:
     return "good" if value >= good else "poor" if value < poor else "fair"
 
 
+def _grade_code(share: float) -> str:
+    good, poor = CODE_SHARE
+    return "good" if share >= good else "poor" if share < poor else "fair"
+
+
 @dataclasses.dataclass
 class Verdict:
-    """Whether the replacement behaves like the MLP: `grade` is "good", "fair", "poor" or "cannot judge", and
-    `reasons` name the metric behind it (worst first)."""
+    """Whether the replacement behaves like the MLP *because of its code*: `grade` is "good", "fair", "poor" or
+    "cannot judge", the worse of `fidelity` (FVU, KL, CE recovered) and `code` (the code share; None when no layer
+    has one); `reasons` name the metric behind each grade (worst first)."""
 
     grade: str
     reasons: list[str]
+    fidelity: str | None = None
+    code: str | None = None
+
+    def axes(self) -> str:
+        """"fidelity good, code poor" (the axes that were graded)."""
+        return ", ".join(f"{name} {grade}" for name, grade in (("fidelity", self.fidelity), ("code", self.code))
+                         if grade is not None)
 
     def line(self) -> str:
-        return f"verdict: {self.grade} — " + "; ".join(self.reasons)
+        axes = f"{self.axes()}; " if self.axes() else ""
+        return f"verdict: {self.grade} ({axes}{WEIGHS}) — " + "; ".join(self.reasons)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Verdict":
+        """From metrics.json's `verdict` (folders written before the code axis have only grade and reasons)."""
+        return cls(grade=data["grade"], reasons=list(data.get("reasons") or []), fidelity=data.get("fidelity"),
+                   code=data.get("code"))
 
 
 def ablations_judge(metrics: Metrics) -> bool | None:
@@ -75,9 +113,33 @@ def ablations_judge(metrics: Metrics) -> bool | None:
     return min(rises) >= ABLATION_GAP
 
 
+def _worst(grades: list[str]) -> str:
+    return _ORDER[max(_ORDER.index(g) for g in grades)]
+
+
+def code_share_phrase(share: float) -> str:
+    """"the code carries 5 % of what the layer explains: poor (good ≥ 50 %, poor < 20 %)"."""
+    return (f"the code carries {share:.0%} of what the layer explains: {_grade_code(share)} (good ≥ "
+            f"{CODE_SHARE[0]:.0%}, poor < {CODE_SHARE[1]:.0%})")
+
+
+def _code_grades(metrics: Metrics) -> list[tuple[str, str]]:
+    """(grade, reason) per layer with a code share."""
+    graded = []
+    for index, layer in sorted(metrics.layers.items(), key=lambda kv: int(kv[0])):
+        if layer.code_share is None:
+            continue
+        grade = _grade_code(layer.code_share)
+        graded.append((grade, f"layer {index}'s code carries {layer.code_share:.0%} of what it explains: {grade} "
+                              f"(good ≥ {CODE_SHARE[0]:.0%}, poor < {CODE_SHARE[1]:.0%}"
+                              + ("; below, a dense path does the work and the units explain little)"
+                                 if grade != "good" else ")")))
+    return graded
+
+
 def quality_verdict(metrics: Metrics) -> Verdict | None:
     """The verdict on the replacement (None when the run has no evaluation to judge)."""
-    graded: list[tuple[str, str]] = []  # (grade, reason)
+    graded: list[tuple[str, str]] = []  # (grade, reason) of the fidelity axis
     for index, layer in sorted(metrics.layers.items(), key=lambda kv: int(kv[0])):
         if layer.fvu is not None:
             grade = _grade("FVU", layer.fvu)
@@ -101,11 +163,18 @@ def quality_verdict(metrics: Metrics) -> Verdict | None:
                     f"{ABLATION_GAP} nats); evaluate on text the base models (data.eval_paths)")
     if not graded:
         return None
-    worst = max(_ORDER.index(g) for g, _ in graded)
-    reasons = [r for g, r in sorted(graded, key=lambda gr: -_ORDER.index(gr[0]))]
-    if unjudged is not None and _ORDER[worst] != "poor":
-        return Verdict("cannot judge", [unjudged] + reasons)
-    return Verdict(_ORDER[worst], reasons + ([unjudged] if unjudged else []))
+    code_graded = _code_grades(metrics)
+    fidelity = _worst([g for g, _ in graded])
+    code = _worst([g for g, _ in code_graded]) if code_graded else None
+    if unjudged is not None and fidelity != "poor":
+        fidelity = "cannot judge"
+    both = graded + code_graded
+    reasons = [r for g, r in sorted(both, key=lambda gr: -_ORDER.index(gr[0]))]
+    if fidelity == "cannot judge":
+        overall = "poor" if code == "poor" else "cannot judge"
+        return Verdict(overall, [unjudged] + reasons, fidelity=fidelity, code=code)
+    overall = _worst([fidelity] + ([code] if code else []))
+    return Verdict(overall, reasons + ([unjudged] if unjudged else []), fidelity=fidelity, code=code)
 
 
 def _agree_for(curve: list[float]) -> int:
@@ -133,7 +202,7 @@ def _under_training(train) -> list[str]:
         out.append(
             f"under-trained: the training loss still fell {drop:.0%} over the last fifth of the run at a constant "
             f"learning rate (bound {LOSS_DROP_BOUND:.0%}): more data.train_tokens would lower FVU and KL further "
-            "(plots/loss_curve.png)"
+            "(plots/loss.png)"
         )
     return out
 
@@ -175,9 +244,10 @@ def reading_lines(metrics: Metrics) -> list[str]:
             )
         if layer.code_share is not None:
             out.append(
-                f"layer {index}: the per-token code carries {layer.code_share:.0%} of the variance the layer explains "
-                "(100 % = all of it, as in a code without a dense path; near 0 = a dense path does the work and the code explains "
-                "little)"
+                f"layer {index}: the per-token code carries {layer.code_share:.0%} of the variance the layer explains, "
+                f"{_grade_code(layer.code_share)} (100 % = all of it, as in a code without a dense path; near 0 = a "
+                f"dense path does the work and the units explain little; good ≥ {CODE_SHARE[0]:.0%}, poor < "
+                f"{CODE_SHARE[1]:.0%})"
             )
     generation = metrics.generation
     if generation is not None and generation.match_at_end is not None and generation.match_curve:

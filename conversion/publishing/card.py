@@ -22,7 +22,6 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from ..evaluation.reading import quality_verdict
 from .local_paths import ASSETS_VARIABLE
 from .metrics_schema import (
     CeMetrics, GenerationMetrics, LayerMetrics, Metrics, ReconstructionPositions, StackingMetrics,
@@ -485,7 +484,8 @@ def render_model_card(
         summary=_summary(base_model, layers, base_model_is_hub_id, metrics.stacking),
         license_unknown=not license,
         example_prompt=json.dumps(metrics.example_prompt or FALLBACK_PROMPT, ensure_ascii=False),
-        verdict=quality_verdict(metrics) if evaluated else None,  # a reading.Verdict: grade, reasons
+        # metrics.json's verdict as upcycle recorded it (evaluation/reading.py): grade, fidelity, code, reasons
+        verdict=metrics.verdict if evaluated else None,
         blocks_expr=_blocks_expr(model_dir),
         example_layer=next(iter(layers)),
         unit=units[0] if len(units) == 1 else "unit",

@@ -2,8 +2,10 @@
 printed at the end of `expertize upcycle`.
 
 One row per variant: what it varies (kind, K, units, lr, dead-unit handling) and its results (ΔCE, KL, FVU, L0, dead
-units and effective units, averaged over the replaced layers when there are several), and the code's health
-warnings (evaluation/health.py), listed under the table. Read from each variant folder's recipe.resolved.yaml and
+units, effective units and the code share — how much of what the layer explains its per-token code carries —
+averaged over the replaced layers when there are several), its verdict on both axes (fidelity and code: a variant
+whose dense path does the work is never "good"; evaluation/reading.py, as recorded in metrics.json), and the code's
+health warnings (evaluation/health.py), listed under the table. Read from each variant folder's recipe.resolved.yaml and
 metrics.json, the files a reader would open.
 """
 
@@ -21,7 +23,7 @@ __all__ = ["VARIANTS_TABLE", "variants_table", "write_variants_table"]
 VARIANTS_TABLE = "variants.md"
 
 _COLUMNS = ("variant", "kind", "K", "units", "lr", "dead-unit handling", "ΔCE", "KL", "FVU", "L0", "dead",
-            "effective units", "health")
+            "effective units", "code share", "verdict", "health")
 
 
 def handling(train: dict, kind: str | None = None) -> str:
@@ -46,6 +48,14 @@ def handling(train: dict, kind: str | None = None) -> str:
 def _mean(values: list) -> float | None:
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
+
+
+def _verdict_cell(verdict: dict | None) -> str | None:
+    """"poor (fidelity good, code poor)" from metrics.json's verdict; None when the run recorded none."""
+    if not verdict:
+        return None
+    axes = [f"{axis} {verdict[axis]}" for axis in ("fidelity", "code") if verdict.get(axis)]
+    return verdict["grade"] + (f" ({', '.join(axes)})" if axes else "")
 
 
 def variants_table(folder: str | Path, names: list[str]) -> str:
@@ -75,6 +85,8 @@ def variants_table(folder: str | Path, names: list[str]) -> str:
             format_number(_mean([m.l0 for m in layers]), 2),
             format_percent(_mean([m.dead_fraction for m in layers]), 1),
             format_number(_mean([m.effective_units for m in layers]), 0),
+            format_percent(_mean([m.code_share for m in layers]), 0),
+            _verdict_cell(metrics.verdict),
             "⚠ " + ", ".join(sorted({w.split(":")[0] for m in layers for w in m.health})) if problems else "ok",
         ]
         rows.append("| " + " | ".join("–" if c is None else f"{c:g}" if isinstance(c, float) else str(c)
