@@ -160,7 +160,7 @@ def recipe_for(setting: str, base: Path, text: Path, tokens: int, out: Path, dev
     overrides = [
         f"base_model={base}", f"output_dir={out}", f"train.device={device}", "data.source=text",
         f"data.paths=[{text}]", "data.document_separator=blank_line", f"data.train_tokens={tokens}",
-        f"data.eval_tokens={1024 if smoke else 8192}", "train.warmup_steps=50", "train.checkpoint_every=0", *SETTINGS[setting], *extra,
+        f"data.eval_tokens={1024 if smoke else 8192}", "train.warmup_steps=auto", "train.checkpoint_every=0", *SETTINGS[setting], *extra,
     ]
     if smoke:
         per_step = SMOKE["steps_per"][setting == "bf16"]

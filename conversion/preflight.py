@@ -167,10 +167,19 @@ def check_memory(
     return need
 
 
-def plan_variants(recipes: list[Recipe], *, world_size: int = 1) -> list[RunPlan]:
+def plan_variants(recipes: list[Recipe], *, world_size: int = 1, variants: bool = False) -> list[RunPlan]:
     """`plan_run` of the first recipe, then of each other variant what differs (its layer spec, checked against
     the same MLP shape), and the memory of all variants together. The variants share everything else (see
-    recipe/variants.py), so the corpus is read and checked once."""
+    recipe/variants.py), so the corpus is read and checked once. `variants`: the recipes are a recipe's variants
+    (a refused warm-up names its variant)."""
+    # Each recipe's warm-up against its stages' steps (configs only: first of all).
+    for recipe in recipes:
+        try:
+            recipe.check_warmups()
+        except ExpertizeError as e:
+            if not (variants or len(recipes) > 1):
+                raise
+            raise type(e)(f"variant {Path(recipe.output_dir).name!r}: {e}") from None
     # A folder that cannot be written is the cheapest thing to find out: before the corpus is read. (Variants'
     # folders, output_dir/NAME, all lie on the same disk.)
     check_output_location(recipes[0].output_dir, what="output_dir")

@@ -94,7 +94,7 @@ def upcycle(recipe: Recipe, *, progress: bool = True, restart: bool = False, log
             )
         guard.check_claimable(recipe_to_dict(recipe), restart=restart)  # output_dir problems first: the cheapest
         runs = [(recipe, guard)]
-    plans = plan_variants([r for r, _ in runs], world_size=world_size())
+    plans = plan_variants([r for r, _ in runs], world_size=world_size(), variants=bool(recipe.variants))
     # data.activation_cache: a mismatch is refused now
     open_matching_cache(plans[0].recipe, plans[0].layer_ids, world_size=world_size())
     accelerator = make_accelerator(plans[0].device)
@@ -376,15 +376,18 @@ def publish(
 
 
 def train_summary(recipe: Recipe, steps: int, log_path: Path) -> dict:
-    """metrics.json's `train`: the distillation's steps and tokens, its peak learning rate beside the rule's for this
-    many steps, the schedule, and how much its loss still fell over the last fifth (evaluation/reading.py reads the
-    last three to say when a run looks under-trained)."""
+    """metrics.json's `train`: the distillation's steps and tokens, its peak learning rate and warm-up beside the
+    rules' for this many steps (recipe/lr_rule.py, schedule_rule.py), the schedule after the warm-up, and how much
+    its loss still fell over the last fifth (evaluation/reading.py reads the rate, the schedule and the drop to say
+    when a run looks under-trained)."""
     train = recipe.train
     out = {"steps": steps, "tokens": steps * train.tokens_per_step}
     if steps:
-        auto = dataclasses.replace(train, lr="auto")
-        out.update(lr=recipe.distill_lr(), lr_rule=dataclasses.replace(recipe, train=auto).distill_lr(),
-                   schedule=train.schedule, loss_drop_last_fifth=loss_drop_last_fifth(log_path))
+        schedule = recipe.distill_schedule()
+        out.update(lr=schedule.lr, lr_rule=schedule.lr_rule, warmup_steps=schedule.warmup_steps,
+                   warmup_rule=schedule.warmup_rule, schedule=schedule.schedule, min_lr_ratio=schedule.min_lr_ratio,
+                   loss_drop_last_fifth=loss_drop_last_fifth(log_path),
+                   code_share_floor=train.code_share_floor)
     return out
 
 
@@ -418,9 +421,10 @@ def activation_batches(
 
 
 def upcycle_summary(folder: str | Path) -> str:
-    """The key results of a finished run folder, a few lines for the end of `expertize upcycle`, each followed by
-    what a good and a bad value look like (evaluation/reading.py); for the folder of a recipe's variants, their
-    table (variants.md)."""
+    """The key results of a finished run folder, a few lines for the end of `expertize upcycle` (a ratio over a
+    near-zero denominator with its caveat: evaluation/headline.py), each followed by what a good and a bad value look
+    like (evaluation/reading.py); for the folder of a recipe's variants, their table (variants.md)."""
+    from .evaluation.headline import headline_lines
     from .evaluation.reading import reading_lines
 
     folder = Path(folder)
@@ -429,7 +433,7 @@ def upcycle_summary(folder: str | Path) -> str:
         return table.read_text(encoding="utf-8").rstrip("\n")
     metrics = load_metrics(folder)
     guide = reading_lines(metrics)
-    lines = metrics.summary_lines() + (["how to read these:"] + [f"  {line}" for line in guide] if guide else [])
+    lines = headline_lines(metrics) + (["how to read these:"] + [f"  {line}" for line in guide] if guide else [])
     return "\n".join(f"expertize: {line}" for line in lines)
 
 

@@ -71,7 +71,7 @@ def _copy(layers):
 
 
 def _cfg(**overrides) -> TrainConfig:
-    settings = dict(lr=3e-2, warmup_steps=2, schedule="cosine", tokens_per_step=TOKENS, checkpoint_every=0,
+    settings = dict(lr=3e-2, warmup_steps=2, schedule="cosine", min_lr_ratio=0.0, tokens_per_step=TOKENS, checkpoint_every=0,
                     log_every=1, grad_clip=0.5, device="cpu", dead_window_tokens=2 * TOKENS)
     return TrainConfig(**{**settings, **overrides})
 

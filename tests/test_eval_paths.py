@@ -77,6 +77,7 @@ def test_upcycle_measures_on_the_held_out_file(tiny_run):
     tmp_path, tree = tiny_run
     train, held, _ = corpora(tmp_path)
     tree["data"].update(paths=[str(train)], eval_paths=[str(held)], train_tokens=1024, eval_tokens=96)
+    tree["train"]["warmup_steps"] = "auto"  # 4 steps: the fixture's 5 would be refused (longer than the run)
     tree["layers"], tree["eval"]["generation_prompts"] = [0], 0
     recipe = recipe_from_dict(tree, source="test")
     upcycle(recipe, progress=False)

@@ -130,6 +130,7 @@ def test_provenance_records_the_device_used(tiny_run, capsys):
 # -- 4. the data-parallel launch (docs/upcycle.md) --------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a 2-process torchrun launch
 def test_torchrun_with_the_default_device_exits_0_and_publishes_once(tiny_run):
     tmp_path, tree = tiny_run
     tree["train"]["device"] = "auto"  # the quickstart's setting: on a CPU machine, gloo on CPU
@@ -218,10 +219,13 @@ def test_a_finished_run_prints_its_key_metrics_and_a_loss_curve(tiny_run, capsys
 def test_an_expertize_folder_as_base_model_adds_layers_without_remote_code(tiny_run, capsys):
     tmp_path, tree = tiny_run
     first = dict(tree, layers=[0], output_dir=str(tmp_path / "first"))
-    code, _, err = _run(capsys, _recipe(tmp_path, first, "first.yaml"), "data.train_tokens=1024")
+    # 4 steps: the fixture's 5 warm-up steps would be refused (longer than the run)
+    code, _, err = _run(capsys, _recipe(tmp_path, first, "first.yaml"), "data.train_tokens=1024",
+                        "train.warmup_steps=auto")
     assert code == 0, err
     second = dict(tree, layers=[1], base_model=str(tmp_path / "first"), output_dir=str(tmp_path / "second"))
-    code, _, err = _run(capsys, _recipe(tmp_path, second, "second.yaml"), "data.train_tokens=1024")
+    code, _, err = _run(capsys, _recipe(tmp_path, second, "second.yaml"), "data.train_tokens=1024",
+                        "train.warmup_steps=auto")
     assert code == 0, err
     assert "trust_remote_code" not in err
     config = json.loads((tmp_path / "second" / "config.json").read_text())

@@ -53,6 +53,7 @@ def test_resume_does_not_depend_on_how_output_dir_and_paths_are_spelled(tiny_run
 # -- 2. one run per folder ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # two upcycle processes (~8 s)
 def test_a_second_run_on_a_folder_in_use_is_refused_naming_the_holder(tiny_run, capsys):
     """Two `expertize upcycle` on one folder: the second (and a --restart from a second shell) exits 2 naming the
     first one's pid and touches nothing; once the first is killed the folder is free again and resuming it gives
@@ -172,6 +173,7 @@ def quickstart(tmp_path_factory):
     out = tmp_path_factory.mktemp("qs") / "quickstart"
     assert cli_main(["upcycle", "quickstart", "--no-progress", "--set", f"output_dir={out}",
                      "--set", "data.train_tokens=8192", "--set", "data.eval_tokens=2048",
+                     "--set", "train.warmup_steps=auto",  # 8 steps: the quickstart's 50 would be refused
                      "--set", "eval.generation_prompts=4"]) == 0
     return out, data
 

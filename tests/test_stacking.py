@@ -8,6 +8,7 @@ import pytest
 import torch
 import yaml
 
+from expertize.conversion.publishing.card import format_number
 from expertize.conversion.cli import main
 from expertize.conversion.data.text import load_eval_sequences
 from expertize.conversion.recipe import RecipeError, recipe_from_dict
@@ -88,7 +89,7 @@ def test_a_stacked_run_reports_its_cost_against_the_original_dense_model(tiny_ru
     assert f"by this run. `{step1}` is itself an expertize model, made in an earlier run from the dense `base`" \
         in summary
     assert "the MLP of layer 1 replaced by a TopK transcoder layer" in summary and "layers 0 and 1" in summary
-    assert f"| ΔCE against the original dense model (`base`) | {stacking['delta_original']:.4f} |" in card
+    assert f"| ΔCE against the original dense model (`base`) | {format_number(stacking['delta_original'])} |" in card
     from expertize.conversion.upcycle import upcycle_summary
 
     assert "stacked on an expertize model: ΔCE" in upcycle_summary(run)

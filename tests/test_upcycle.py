@@ -81,6 +81,7 @@ def _cli(recipe: Path) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow  # three upcycle processes (~30 s)
 def test_resume_after_sigkill_matches_an_uninterrupted_run(tiny_run):
     tmp_path, tree = tiny_run
     tree["train"].update(checkpoint_every=16, log_every=8)
@@ -148,7 +149,8 @@ def test_quickstart_recipe_runs_on_the_real_checkpoint(tmp_path, capsys):
     recipe = Path(__file__).parent.parent / "recipes" / "quickstart.yaml"
     code = cli_main(["upcycle", str(recipe), "--no-progress", "--set", f"output_dir={tmp_path / 'qs'}",
                      "--set", "data.train_tokens=16384", "--set", "data.eval_tokens=4096",
-                     "--set", "eval.generation_prompts=4"])
+                     # 16 steps: the quickstart's 50 warm-up steps would be refused (longer than the run)
+                     "--set", "train.warmup_steps=auto", "--set", "eval.generation_prompts=4"])
     assert code == 0
     metrics = json.loads((tmp_path / "qs" / "metrics.json").read_text())
     assert metrics["ce"]["base"] < metrics["ce"]["mean_ablation"]
@@ -160,6 +162,7 @@ def test_quickstart_recipe_runs_on_the_real_checkpoint(tmp_path, capsys):
     assert len(warning) == 1 and fix in warning[0], said
 
 
+@pytest.mark.slow  # a 2-process torchrun launch
 def test_two_process_data_parallel_run_on_cpu(tiny_run):
     """The same command under a 2-process launch (gloo on CPU: torchrun, which Accelerate reads) trains and finishes."""
     tmp_path, tree = tiny_run

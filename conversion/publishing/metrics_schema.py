@@ -228,9 +228,19 @@ class TrainSummary(_Section):
     """The peak learning rate the distillation used (train.lr, or what `auto` resolved to)."""
     lr_rule: float | None = None
     """The `train.lr: auto` rule's rate for this many steps (recipe/lr_rule.py)."""
+    warmup_steps: int | None = None
+    """The warm-up the distillation used (train.warmup_steps, or what `auto` resolved to)."""
+    warmup_rule: int | None = None
+    """The `train.warmup_steps: auto` rule's warm-up for this many steps (recipe/schedule_rule.py)."""
     schedule: str | None = None
+    """The decay after the warm-up: constant, cosine or linear."""
+    min_lr_ratio: float | None = None
+    """The cosine / linear decay's floor, as a fraction of `lr`."""
     loss_drop_last_fifth: float | None = None
     """How much the training loss still fell over the run's last fifth (training/log.py)."""
+    code_share_floor: float | None = None
+    """The share of what the layer explains its code was trained to carry (train.code_share_floor; 0: none;
+    training/code_floor.py)."""
 
 
 @dataclass

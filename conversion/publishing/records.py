@@ -15,6 +15,7 @@ from expertize import __version__
 
 from ..recipe.data import token_budget_to_sequences
 from ..recipe import Recipe
+from ..recipe.schedule_rule import ResolvedSchedule
 from .local_paths import base_model_provenance, hub_id_of, packaged_name
 from .run_folder import MODEL_CARD
 
@@ -34,8 +35,8 @@ def recipe_summary(recipe: Recipe, total_steps: int) -> dict:
     if heal is not None:
         rest = f"LoRA r={heal.lora_r} on {heal.lora_target_modules}, merged" if heal.rest == "lora" else "frozen"
         healing = {
-            "healing": f"end to end, {heal.objective} objective, {heal.tokens:,} tokens, lr {heal.lr}; rest of the "
-            f"model {rest}",
+            "healing": f"end to end, {heal.objective} objective, {heal.tokens:,} tokens, lr {heal.lr}, "
+            f"{_warmup_and_decay(recipe.heal_schedule())}; rest of the model {rest}",
         }
     return {
         "training tokens": total_steps * train.tokens_per_step,
@@ -44,7 +45,7 @@ def recipe_summary(recipe: Recipe, total_steps: int) -> dict:
         "context length": data.context_length,
         "data": source,
         "loss": train.loss,
-        "optimizer": f"AdamW (lr {_lr(recipe)}, warmup {train.warmup_steps}, {train.schedule})",
+        "optimizer": f"AdamW (lr {_lr(recipe)}, {_warmup_and_decay(recipe.distill_schedule())})",
         "precision": train.precision,
         "seed": train.seed,
         **healing,
@@ -56,6 +57,13 @@ def _lr(recipe: Recipe) -> str:
     if recipe.train.lr == "auto":
         return f"auto ({recipe.distill_lr():.3g})"
     return f"{recipe.train.lr}"
+
+
+def _warmup_and_decay(schedule: ResolvedSchedule) -> str:
+    """The warm-up and the decay as the card shows them: "warmup auto (20), cosine to 0.1 lr" when the rule chose
+    the warm-up, "warmup 5000, constant" for a number."""
+    warmup = f"auto ({schedule.warmup_steps})" if schedule.warmup_auto else f"{schedule.warmup_steps}"
+    return f"warmup {warmup}, {schedule.decay()}"
 
 
 def provenance(recipe: Recipe, *, device: torch.device | str | None = None, compute: dict | None = None) -> dict:

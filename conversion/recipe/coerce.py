@@ -283,11 +283,37 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+KEY_ALIASES = {
+    "learning_rate": "lr",
+    "lr_scheduler_type": "schedule",
+    "lr_scheduler": "schedule",
+    "max_grad_norm": "grad_clip",
+    "gradient_clipping": "grad_clip",
+    "max_seq_length": "context_length",
+    "seq_len": "context_length",
+    "block_size": "context_length",
+    "top_k": "k",
+    "topk": "k",
+    "model_name_or_path": "base_model",
+}
+"""What other training tools name a recipe key (transformers' TrainingArguments, SAE libraries): `train.learning_rate`,
+or a misspelling of it such as `train.lerning_rate`, is `train.lr`. Read only for a key that matches none."""
+
+
+def _alias_of(name: str) -> str | None:
+    """The recipe's name for `name` when it is (a close misspelling of) another tool's name for a key."""
+    close = difflib.get_close_matches(name.lower(), list(KEY_ALIASES), n=1, cutoff=0.8)
+    return KEY_ALIASES[close[0]] if close else None
+
+
 def unknown_key_message(prefix: str, name: str, names: list[str], root: type | None = None) -> str:
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    alias = _alias_of(name)
+    if not close and alias in names:  # another tool's name: learning_rate (or lerning_rate) -> lr
+        close = [alias]
     hint = f" (did you mean {join(prefix, close[0])!r}?)" if close else ""
     if not hint and root is not None:  # a key put in the wrong section: `lr:` at the top level -> train.lr
-        elsewhere = [key for key in all_keys(root) if key.rsplit(".", 1)[-1] == name]
+        elsewhere = [key for key in all_keys(root) if key.rsplit(".", 1)[-1] in (name, alias)]
         if elsewhere:
             hint = f" (did you mean {elsewhere[0]!r}?)"
     under = f"under {prefix!r}" if prefix else "at the top level"

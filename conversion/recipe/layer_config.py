@@ -87,7 +87,8 @@ class LayerConfig:
     init: Literal["default", "split", "copy"] = "default"
     """Where the layer's weights start: "default" (the layer's own init), or, for kinds whose spec lists them in
     `init_modes` (MoE-X), "split" (the dense MLP's hidden neurons partitioned over the experts; with all experts on
-    it equals the MLP) or "copy" (every expert a noisy copy of the MLP); see conversion/surgery/dense_init.py."""
+    and unscaled gates, k = num_experts and options {gate_scaling: none}, it equals the MLP; the default gates,
+    k_softmax, start near it) or "copy" (every expert a noisy copy of the MLP); see conversion/surgery/dense_init.py."""
 
     init_clustering: Literal["random", "balanced_kmeans"] = "random"
     """split: how neurons are grouped into experts (random, or balanced k-means on their input weights)."""

@@ -20,7 +20,10 @@ from pathlib import Path
 from typing import Literal
 
 from .data import DataConfig, token_budget_to_sequences
-from .lr_rule import rule_lr
+from .schedule_rule import (
+    HEAL_MIN_LR_RATIO, HEAL_SCHEDULE, HEAL_WARMUP_FRACTION, MIN_LR_RATIO, SCHEDULE, WARMUP_FRACTION, ResolvedSchedule,
+    check_warmup, resolve_schedule,
+)
 from .layer_config import ONE_KIND_PER_RECIPE, LayerConfig
 from .variants import VariantConfig, check_variants
 from .coerce import RecipeError, check_field_types
@@ -39,14 +42,18 @@ class TrainConfig:
     too low leaves the layer under-trained (3x too low erased MxD's advantage over the transcoder); the paper
     recipes keep the papers' 1e-4."""
 
-    warmup_steps: int = 5000
-    """Linear warm-up from 0 to `lr` over this many steps (MxD paper: 5,000)."""
+    warmup_steps: int | Literal["auto"] = "auto"
+    """Linear warm-up from 0 to `lr` over this many steps. "auto": a tenth of the run's steps (recipe/
+    schedule_rule.py), the warm-up `lr: auto` was measured with; the resolved value is logged and recorded in
+    metrics.json. A number must be below the run's steps (preflight refuses it otherwise); the paper recipes keep
+    the MxD paper's 5,000 (for its 117,000-step run)."""
 
-    schedule: Literal["constant", "cosine", "linear"] = "constant"
-    """Learning rate after warm-up: "constant" (MxD paper), or "cosine" / "linear" decay to lr * min_lr_ratio."""
+    schedule: Literal["constant", "cosine", "linear"] = SCHEDULE
+    """Learning rate after warm-up: "cosine" (default) or "linear" decay to lr * min_lr_ratio, or "constant" (MxD
+    paper). Cosine to 0.1 lr is the schedule the `lr: auto` rule was measured under (recipe/schedule_rule.py)."""
 
-    min_lr_ratio: float = 0.0
-    """Final learning rate of the cosine / linear schedules, as a fraction of `lr`."""
+    min_lr_ratio: float = MIN_LR_RATIO
+    """Final learning rate of the cosine / linear schedules, as a fraction of `lr` (0.1: the measured schedule's)."""
 
     tokens_per_step: int = 4096
     """Activation rows (tokens) per optimizer step (MxD paper: 4,096)."""
@@ -112,6 +119,16 @@ class TrainConfig:
     handling at all (50 % -> 72 % at K = 8: revived units turn into generalists; benchmarks/dead_units.py), while
     the default `balance: floor` leaves none. Kinds without AuxK (moe_x, monet_*, mumoe_*) train without it, with a note."""
 
+    code_share_floor: float = 0.0
+    """Train the layer so that its per-token code carries at least this share of what it explains (training/
+    code_floor.py): each batch adds `code_share_coef` x max(0, floor − the batch's code share) to the loss, pushing
+    only the output with the batch's *average* code away from the MLP's; 0 (default) disables it. Opt-in and not a
+    default: on tiny-gpt2-shakespeare MxD trained with a floor of 0.5 reached a code share of 1.0 at 2.7x the TopK
+    transcoder's KL, worse than a narrower d_hidden at the same share (docs/results/code_share.md)."""
+
+    code_share_coef: float = 1.0
+    """Weight of the `code_share_floor` term (in units of the batch's FVU)."""
+
     auxk_k: int | Literal["auto"] = "auto"
     """k_aux, the dead units AuxK uses per token: "auto" = min(512, d_out / 2) (the paper's 512 for wide models,
     sparsify's d / 2 below 1024 dims) or a number."""
@@ -165,12 +182,14 @@ class TrainConfig:
     log interval, for distillation and healing: "none", "tensorboard" (event files in OUTPUT_DIR/tracking/; needs
     `pip install "expertize[tracking]"`), "wandb", ... (the tracker's package must be installed)."""
 
+    def resolved(self, total_steps: int, factor: float = 1.0) -> ResolvedSchedule:
+        """The schedule of a distillation of `total_steps` steps for a kind whose `auto_lr_factor` is `factor`: `lr`
+        and `warmup_steps`, or the rules' values where they are "auto" (recipe/schedule_rule.py)."""
+        return resolve_schedule(self, total_steps, lr_factor=factor, warmup_fraction=WARMUP_FRACTION)
+
     def resolved_lr(self, total_steps: int, factor: float = 1.0) -> float:
-        """The peak learning rate of a distillation of `total_steps` steps: `lr`, or the rule's value when "auto" for
-        a kind whose `auto_lr_factor` is `factor`."""
-        if self.lr == "auto":
-            return rule_lr(total_steps, self.tokens_per_step, factor)
-        return float(self.lr)
+        """The peak learning rate of a distillation of `total_steps` steps (`resolved(...).lr`)."""
+        return self.resolved(total_steps, factor).lr
 
     def __post_init__(self) -> None:
         check_field_types(self, "train")
@@ -187,7 +206,9 @@ class TrainConfig:
         for name in ("tokens_per_step", "shuffle_buffer_tokens", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "checkpoint_every", "seed"):
+        if self.warmup_steps != "auto" and self.warmup_steps < 0:
+            raise ValueError(f'train.warmup_steps: must be >= 0 or "auto", got {self.warmup_steps}')
+        for name in ("checkpoint_every", "seed"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name}: must be >= 0, got {getattr(self, name)}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
@@ -197,6 +218,10 @@ class TrainConfig:
                 f"train.shuffle_buffer_tokens={self.shuffle_buffer_tokens} is smaller than one step "
                 f"(train.tokens_per_step={self.tokens_per_step}); raise it to at least tokens_per_step"
             )
+        if not 0.0 <= self.code_share_floor < 1.0:
+            raise ValueError(f"train.code_share_floor: must be in [0, 1) (0 disables it), got {self.code_share_floor}")
+        if not self.code_share_coef > 0:
+            raise ValueError(f"train.code_share_coef: must be > 0, got {self.code_share_coef}")
         if not self.auxk_coef >= 0:
             raise ValueError(f"train.auxk_coef: must be >= 0 (0 disables AuxK), got {self.auxk_coef}")
         if self.balance_anneal is not None and not (
@@ -242,14 +267,15 @@ class HealConfig:
     lr: float = 1e-4
     """Peak learning rate (AdamW) of everything that trains."""
 
-    warmup_steps: int = 100
-    """Linear warm-up steps."""
+    warmup_steps: int | Literal["auto"] = "auto"
+    """Linear warm-up steps. "auto": a tenth of the healing steps, as for the distillation (recipe/schedule_rule.py;
+    the former default, 100, was a tenth of a default-budget run); a number must be below the healing steps."""
 
-    schedule: Literal["constant", "cosine", "linear"] = "cosine"
-    """Learning rate after warm-up."""
+    schedule: Literal["constant", "cosine", "linear"] = HEAL_SCHEDULE
+    """Learning rate after warm-up: "cosine" (default) or "linear" decay to lr * min_lr_ratio, or "constant"."""
 
-    min_lr_ratio: float = 0.1
-    """Final learning rate of the cosine / linear schedules, as a fraction of `lr`."""
+    min_lr_ratio: float = HEAL_MIN_LR_RATIO
+    """Final learning rate of the cosine / linear schedules, as a fraction of `lr` (0.1, as for the distillation)."""
 
     rest: Literal["frozen", "lora"] = "frozen"
     """The non-sparse weights: "frozen", or "lora" (PEFT LoRA on `lora_target_modules`, merged before saving)."""
@@ -284,6 +310,11 @@ class HealConfig:
     checkpoint_every: int = 200
     """Write a resumable checkpoint every this many steps (0: none until the end)."""
 
+    def resolved(self, total_steps: int) -> ResolvedSchedule:
+        """The schedule of a healing run of `total_steps` steps: `warmup_steps`, or the rule's when "auto"
+        (recipe/schedule_rule.py); healing has no lr rule."""
+        return resolve_schedule(self, total_steps, lr_factor=None, warmup_fraction=HEAL_WARMUP_FRACTION)
+
     def __post_init__(self) -> None:
         check_field_types(self, "heal")
         if not self.lr > 0:
@@ -291,7 +322,9 @@ class HealConfig:
         for name in ("tokens", "batch_sequences", "lora_r", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"heal.{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "checkpoint_every", "weight_decay", "aux_loss_coef"):
+        if self.warmup_steps != "auto" and self.warmup_steps < 0:
+            raise ValueError(f'heal.warmup_steps: must be >= 0 or "auto", got {self.warmup_steps}')
+        for name in ("checkpoint_every", "weight_decay", "aux_loss_coef"):
             if getattr(self, name) < 0:
                 raise ValueError(f"heal.{name}: must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -439,20 +472,49 @@ class Recipe:
         train.distill: false). Preflight refuses a distilling recipe whose budget is less than one step."""
         return self.data.train_tokens // self.train.tokens_per_step if self.train.distill else 0
 
-    def distill_lr(self) -> float:
-        """The distillation's peak learning rate: train.lr, or what `auto` gives this recipe's kind and steps."""
+    def distill_schedule(self) -> ResolvedSchedule:
+        """The distillation's schedule: train.lr and train.warmup_steps, or what `auto` gives this recipe's kind and
+        steps (recipe/schedule_rule.py), with the rules' values."""
         from expertize.modeling import LAYER_KINDS
 
-        return self.train.resolved_lr(self.distill_steps(), LAYER_KINDS[self.layer.kind][0].auto_lr_factor)
+        return self.train.resolved(self.distill_steps(), LAYER_KINDS[self.layer.kind][0].auto_lr_factor)
+
+    def distill_lr(self) -> float:
+        """The distillation's peak learning rate: train.lr, or what `auto` gives this recipe's kind and steps."""
+        return self.distill_schedule().lr
+
+    def heal_steps(self) -> int:
+        """Optimizer steps of the healing: the heal.tokens budget in sequences of data.context_length,
+        // heal.batch_sequences (0 without a heal: section)."""
+        if self.heal is None:
+            return 0
+        return token_budget_to_sequences(self.heal.tokens, self.data.context_length) // self.heal.batch_sequences
+
+    def heal_schedule(self) -> ResolvedSchedule | None:
+        """The healing's schedule with `auto` resolved (None without a heal: section)."""
+        return None if self.heal is None else self.heal.resolved(self.heal_steps())
 
     def run_steps(self) -> dict[str, int]:
         """Optimizer steps of each training stage: {"train": ..., "heal": ...} (a stage that does not run is left
-        out). Distillation: `distill_steps`; healing: the heal.tokens budget in sequences
-        of data.context_length, // heal.batch_sequences."""
+        out). Distillation: `distill_steps`; healing: `heal_steps`."""
         steps = {}
         if self.train.distill:
             steps["train"] = self.distill_steps()
         if self.heal is not None:
-            sequences = token_budget_to_sequences(self.heal.tokens, self.data.context_length)
-            steps["heal"] = sequences // self.heal.batch_sequences
+            steps["heal"] = self.heal_steps()
         return steps
+
+    def check_warmups(self) -> None:
+        """Refuse a warm-up (train: or heal:) that is not shorter than its stage: the learning rate would never
+        reach its peak. Preflight calls it before the run folder is claimed (`preflight.plan_variants`); it is not a
+        load-time check, so that the recipe of a run made under the former defaults (5,000 warm-up steps) still
+        loads."""
+        data, train, heal = self.data, self.train, self.heal
+        counted = {
+            "train": f"data.train_tokens={data.train_tokens:,} // train.tokens_per_step={train.tokens_per_step:,}"
+        }
+        if heal is not None:
+            counted["heal"] = (f"heal.tokens={heal.tokens:,} in sequences of data.context_length="
+                               f"{data.context_length} // heal.batch_sequences={heal.batch_sequences}")
+        for section, steps in self.run_steps().items():
+            check_warmup(section, getattr(self, section).warmup_steps, steps, counted[section])

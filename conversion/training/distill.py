@@ -28,6 +28,7 @@ from ..recipe.lr_rule import MEASURED_STEPS, beyond_measured
 from .auxk import DeadUnitTracker, auto_k_aux, auxk_loss, code_l0, dead_window_tokens, fired_units, supports_auxk
 from .balance import SelectionBalancer, balanced
 from .resample import UNTIL_FRACTION, Resampler, auto_every_tokens, supports_resampling
+from .code_floor import code_share_penalty
 from .compute import compile_layers
 from .engine import Engine, OptimConfig, remove_hooks, run_paths
 
@@ -81,12 +82,12 @@ class Trainer(Engine):
         self.layers, self.activations, self.cfg = layers, batches, cfg
         self.init_output_bias = init_output_bias  # False keeps b_dec (e.g. copied from the dense MLP)
         self.stack = SparseStack(layers).to(accelerator.device)
+        # lr and warm-up with `auto` resolved for this run's steps (recipe/schedule_rule.py)
+        self.schedule = cfg.resolved(total_steps, next(iter(layers.values())).spec.auto_lr_factor)
         super().__init__(
             self.stack,
             self.stack.parameters(),
-            OptimConfig.from_config(
-                cfg, lr=cfg.resolved_lr(total_steps, next(iter(layers.values())).spec.auto_lr_factor)
-            ),
+            OptimConfig.from_config(cfg, lr=self.schedule.lr, warmup_steps=self.schedule.warmup_steps),
             total_steps=total_steps,
             tokens_per_step=cfg.tokens_per_step,
             checkpoint_path=checkpoint_path,
@@ -143,6 +144,10 @@ class Trainer(Engine):
         self._step_pairs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         """Resampling layers: the step's (x, y, ŷ), detached; the error y - ŷ is formed only on a resampling step."""
         self.mean_outputs: dict[int, torch.Tensor] = {}
+        # train.code_share_floor (a layer without a dense path carries everything already: its term stays 0)
+        self.floored_layers = set(layers) if cfg.code_share_floor > 0 else set()
+        self._batch_share: dict[int, float] = {}
+        """Floored layers: the last batch's code share (logged as `code_share`)."""
         self._codes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._hooks = [layer.code_hook.register_forward_hook(self._record_code(i)) for i, layer in layers.items()]
 
@@ -200,12 +205,11 @@ class Trainer(Engine):
         return self.activations.batches(start_step=start_step)
 
     def lr_note(self) -> str | None:
-        """The learning rate `train.lr: auto` resolved to, one line (None for a fixed rate)."""
-        if self.cfg.lr != "auto":
+        """The learning rate and warm-up `auto` resolved to, one line (None when neither is `auto`)."""
+        note = self.schedule.note("train")
+        if note is None:
             return None
-        note = (f"train.lr auto: {self.optim.lr:.3g} for {self.total_steps:,} steps (the rule of "
-                "conversion/recipe/lr_rule.py)")
-        if beyond_measured(self.total_steps):
+        if self.cfg.lr == "auto" and beyond_measured(self.total_steps):
             note += (f"; beyond the {MEASURED_STEPS:,} steps it was measured on, the rule extrapolates: consider a "
                      "sweep (variants with train.lr 3x above and below)")
         return note
@@ -243,6 +247,14 @@ class Trainer(Engine):
         # Routed layers' own auxiliary losses (load balance, ...), already weighted by their specs.
         aux = [layer.aux_loss for layer in self.layers.values() if layer.aux_loss is not None]
         total = sum(losses.values()) + sum(aux)
+        for i in self.floored_layers:
+            x, y = batch[i]
+            code = self._codes[i]  # the forward's; the average-code pass below may run the code hook again
+            with self.autocast:
+                penalty, self._batch_share[i] = code_share_penalty(
+                    self.layers[i], x, y, outputs[str(i)], code, self.cfg.code_share_floor)
+            self._codes[i] = code
+            total = total + self.cfg.code_share_coef * penalty
         auxk = {}
         for i in sorted(self.auxk_layers):
             tracker = self.dead_units[i]
@@ -288,6 +300,8 @@ class Trainer(Engine):
             }
             if i in auxk:
                 entry["auxk"] = auxk[i].item()
+            if i in self._batch_share:
+                entry["code_share"] = self._batch_share[i]
             if i in self.resamplers:
                 entry["resampled"] = self.resamplers[i].resampled
             per_layer[str(i)] = entry

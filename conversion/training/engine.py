@@ -33,7 +33,7 @@ from torch import nn
 from ..checks import NoSpaceLeft, disk_full, no_space_message
 from .compute import make_adamw
 from .errors import RunInterrupted, TrainingDiverged
-from .log import JsonlLog, truncate_log  # noqa: F401  (truncate_log: re-exported for callers of the old module)
+from .log import JsonlLog
 from .tracking import Tracking, tracking_dir
 
 

@@ -127,10 +127,11 @@ class Healer(Engine):
             )
         model = prepare_for_healing(model, cfg, family).to(device)
         self.trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        self.schedule = cfg.resolved(total_steps)  # heal.warmup_steps: auto resolved (recipe/schedule_rule.py)
         super().__init__(
             model,
             self.trainable.values(),
-            OptimConfig.from_config(cfg, precision=precision),
+            OptimConfig.from_config(cfg, precision=precision, warmup_steps=self.schedule.warmup_steps),
             total_steps=total_steps,
             tokens_per_step=cfg.batch_sequences * data.context_length,
             checkpoint_path=checkpoint_path,
@@ -186,6 +187,9 @@ class Healer(Engine):
         return (ids.to(self.device) for ids in batch_sequences(sequences, self.cfg.batch_sequences, drop_last=True))
 
     def begin(self, resumed: bool) -> None:
+        note = self.schedule.note("heal")  # what heal.warmup_steps: auto resolved to
+        if note:
+            self._say(note)
         self.base.eval()
         # Dropout off for the whole model (healing fits a deterministic function); the sparse layers in training
         # mode, so that they compute their auxiliary losses and use training-time routing (e.g. batch statistics).
@@ -238,12 +242,20 @@ class Healer(Engine):
 
     def summary(self) -> dict:
         """What `metrics.json` records about the healing run."""
+        schedule = self.schedule
         return {
             "steps": self.total_steps,
             "tokens": self.total_steps * self.tokens_per_step,
             "objective": self.cfg.objective,
             "rest": self.cfg.rest,
             "final": self.train_log.last(),
+            # the schedule as it ran (`auto` resolved) and the rule's warm-up for these steps, as metrics.json's
+            # train section records the distillation's
+            "lr": schedule.lr,
+            "warmup_steps": schedule.warmup_steps,
+            "warmup_rule": schedule.warmup_rule,
+            "schedule": schedule.schedule,
+            "min_lr_ratio": schedule.min_lr_ratio,
         }
 
     def fit(self) -> nn.Module:
