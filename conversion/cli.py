@@ -19,6 +19,7 @@ import sys
 
 from .checks import at_least, int_list, non_negative_int, positive_float, positive_int
 from .cli_flags import Subcommand, lm_eval_limit, setting_flag, settings_from
+from .cli_flags import house_warnings
 from .cli_flags import say as _stderr
 from .errors import ExpertizeError
 from .export.command import add_export
@@ -419,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        with house_warnings():
+            return args.func(args)
     except ExpertizeError as err:
         # Input refused up front exits 2 (nothing was written); a run that started and failed says what it kept.
         print(f"expertize {args.command}: error: {err}", file=sys.stderr)

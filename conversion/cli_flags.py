@@ -6,9 +6,10 @@ types of flags only the CLI has (--limit, --layers).
 """
 
 import argparse
+import contextlib
 import dataclasses
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from .checks import at_least, non_negative_int, positive_int
 
@@ -119,6 +120,30 @@ def say(message: str) -> None:
     import sys
 
     print(f"expertize: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def house_warnings() -> Iterator[None]:
+    """While a command runs, expertize's own warnings (`ExpertizeWarning`) print as its other warnings do, one
+    `expertize: warning: ...` line through `say`, not as Python's `path:line: UserWarning` and the source line.
+    Other libraries' warnings print as they always do."""
+    import warnings
+
+    from .errors import ExpertizeWarning
+
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, ExpertizeWarning):
+            say(f"warning: {message}")
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
 
 
 def token_progress(command: str) -> Callable[[int, int], None]:

@@ -1,7 +1,8 @@
 """User-facing errors: problems a user can fix, whose message names the problem and the fix.
 
 The CLI prints an `ExpertizeError` as one line (`expertize <command>: error: ...`) and exits 2, never with a
-traceback; anything else escaping a command is a bug in expertize and keeps its traceback.
+traceback; anything else escaping a command is a bug in expertize and keeps its traceback. An `ExpertizeWarning`
+prints as one line too (`expertize: warning: ...`, as every status line), never with Python's source line.
 """
 
 
@@ -14,3 +15,8 @@ class RunFailed(ExpertizeError):
     and how to continue are in the message. The CLI exits 1 for these (2 is for input refused up front)."""
 
     exit_code = 1
+
+
+class ExpertizeWarning(UserWarning):
+    """A warning of expertize's own: the message names the problem and the fix. Under the CLI it prints as one line
+    (`expertize: warning: ...`); in Python it is an ordinary `UserWarning` (filter or record it as one)."""

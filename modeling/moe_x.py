@@ -143,7 +143,9 @@ class MoeXSpec(SparseSpec):
             "d_expert": shape.d_hidden if init == "copy" else math.ceil(shape.d_hidden / num_experts),
             "expert_glu": shape.glu,
             "expert_bias": not shape.glu,  # GPT-2 / Pythia MLPs have biases, Llama-like gated ones do not
-            # split with k < M: K · softmax keeps the experts' scale while the router still gets a gradient.
+            # split with k < M: K · softmax keeps the experts' scale while the router still gets a gradient. Not
+            # the MLP even at k = M (the gates follow the scores): exactly the MLP takes k = M and gate_scaling
+            # "none" (dense_init_fields; a recipe's layer.options, docs/upcycle.md).
             "gate_scaling": "k_softmax" if init == "split" else "softmax",
             "activation": "relu" if init == "default" else shape.activation,
         }

@@ -4,7 +4,9 @@ format as its source defines it (tests/circuit_tracer_reference.py, run where ex
 The tools' own loaders: tests/test_export_tools.py."""
 
 import json
+import os
 import re
+import stat
 from pathlib import Path
 
 import pytest
@@ -122,9 +124,11 @@ def test_flags_of_another_target_and_a_non_empty_output_are_refused(tmp_path, ca
     folder = model_folder(tmp_path, {0: sparse_layer("transcoder"), 1: sparse_layer("transcoder", seed=1)})
     code, err = _export(capsys, folder, "--to", "sparsify", tmp_path / "out", "--corpus", "a=b.txt")
     assert code == 2 and err == (
-        "expertize export: error: --corpus only apply to --to delphi (a sparsify export holds every layer's weights, "
-        "read from the folder without any text)"
+        "expertize export: error: --corpus only applies to --to delphi (a sparsify export holds every layer's "
+        "weights, read from the folder without any text)"
     )
+    code, err = _export(capsys, folder, "--to", "sparsify", tmp_path / "out", "--corpus", "a=b.txt", "--layers", "0")
+    assert code == 2 and err.startswith("expertize export: error: --corpus and --layers only apply to --to delphi (")
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "x").write_text("keep", encoding="utf-8")
     code, err = _export(capsys, folder, "--to", "sparsify", tmp_path / "taken")
@@ -150,6 +154,21 @@ def test_a_failed_write_leaves_nothing_behind(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sparsify, "write_sparsify", write_one_then_fail)
     assert main(["export", str(folder), "--to", "sparsify", str(tmp_path / "out")]) == 1
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask-022", "umask-027"])
+def test_exports_and_saved_models_are_as_readable_as_a_run_folder(umask, tmp_path, capsys):
+    """The staging folder renamed into place is the output: made by mkdtemp it was 0700 (private to its owner)."""
+    old = os.umask(umask)
+    try:
+        folder = model_folder(tmp_path, {0: sparse_layer("transcoder"), 1: sparse_layer("transcoder", seed=1)})
+        for target in ("sparsify", "circuit-tracer"):
+            assert _export(capsys, folder, "--to", target, tmp_path / target)[0] == 0
+        (tmp_path / "a-run-folder").mkdir()  # as RunFolder and inspect's report folder make theirs
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "a-run-folder", folder, tmp_path / "sparsify", tmp_path / "circuit-tracer"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o777 & ~umask, path
 
 
 # -- the names the files give: the base model and its hookpoints -----------------------------------------------------

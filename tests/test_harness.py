@@ -77,6 +77,7 @@ def _direct(pretrained: Path, tasks: Path) -> dict:
     )["results"]
 
 
+@pytest.mark.slow  # lm-eval twice
 def test_eval_side_by_side_equals_the_harness_run_directly(folders, capsys):
     root, base, model, tasks = folders
     out = root / "eval"
@@ -132,6 +133,7 @@ def test_eval_side_by_side_equals_the_harness_run_directly(folders, capsys):
     assert f"`tiny_ppl`: 0-shot, {LIMIT} of 40 documents, limit {LIMIT}: a smoke test" in text
 
 
+@pytest.mark.slow  # lm-eval's own CLI in a subprocess (~25 s)
 def test_lm_eval_cli_runs_the_folder_through_remote_code(folders, tmp_path):
     """`lm_eval run --model hf --model_args pretrained=DIR,trust_remote_code=True` on our folder and tasks (one
     --include_path, as the CLI takes, plus a shipped task by its YAML path), in a process that cannot import
@@ -170,6 +172,7 @@ def test_lm_eval_cli_runs_the_folder_through_remote_code(folders, tmp_path):
     assert not (ours / "base").exists()
 
 
+@pytest.mark.slow  # subprocesses (~13 s)
 def test_eval_errors_exit_2(folders, tmp_path, capsys):
     root, base, model, tasks = folders
     # A typo in an offline task: the closest names are suggested.
@@ -194,6 +197,29 @@ def test_eval_errors_exit_2(folders, tmp_path, capsys):
     assert "is not a folder (it should hold task YAML files)" in capsys.readouterr().err
 
 
+def test_eval_outside_a_git_checkout_prints_no_git_error(folders, tmp_path, capfd, monkeypatch):
+    """lm-eval records the working directory's commit with `git describe`; outside a checkout git's "fatal: not a git
+    repository" reached the terminal (it writes to the file descriptor, so capfd, not capsys, sees it)."""
+    import shutil
+    import subprocess
+
+    root, base, model, tasks = folders
+    model = Path(shutil.copytree(model, tmp_path / "model"))  # eval records into the folder: the module's stays as it is
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # no checkout above it either
+    assert subprocess.run(["git", "rev-parse"], capture_output=True).returncode != 0  # not a checkout, as a user's
+    capfd.readouterr()
+    assert cli_main(["eval", str(model), "--tasks", "tiny_ppl", "--include-path", str(tasks), "--limit", "2",
+                     "--batch-size", "4", "--device", "cpu", "--no-base", "--no-card"]) == 0
+    err = capfd.readouterr().err
+    assert "fatal" not in err and "not a git repository" not in err, err
+    (results,) = (model / "lm_eval" / "model").glob("results_*.json")
+    assert json.loads(results.read_text())["git_hash"] is None  # lm-eval's record, unchanged: no commit here
+
+
+@pytest.mark.slow  # a subprocess (~20 s)
 def test_eval_of_a_hub_task_offline_fails_before_writing_anything(folders, tmp_path, capsys, monkeypatch):
     """HF_HUB_OFFLINE with a task whose dataset is on the Hub (and not cached): one clear line, exit 2, and no
     output folder left behind (neither --output nor MODEL_DIR/lm_eval)."""
@@ -380,6 +406,7 @@ def tiny_recipe(tmp_path):
     }
 
 
+@pytest.mark.slow  # an upcycle run and lm-eval (~15 s)
 def test_upcycle_ends_with_an_lm_eval_table(tiny_recipe, tmp_path):
     from expertize.conversion.recipe import recipe_from_dict
     from expertize.conversion.upcycle import upcycle

@@ -60,6 +60,23 @@ def test_text_codes_and_decode(spliced):
         ablated = layer(cache.inputs[2])
     torch.testing.assert_close(expertize.decode(layer, None, edited, cache.inputs[2]), ablated)
     assert not torch.allclose(ablated, cache.outputs[2])
+    # The (index, weights) pair docs/upcycle.md unpacks a code into is the same code (before: AttributeError
+    # 'tuple' object has no attribute 'top_k_index', from inside the layer's forward hook).
+    for pair in (tuple(edited), list(edited), (index.tolist(), weights.masked_fill(index == unit, 0.0).tolist())):
+        torch.testing.assert_close(expertize.decode(model, 2, pair, cache.inputs[2]), ablated)
+    # What is no code is refused before the forward, in one line naming SparseCode and where it comes from.
+    from expertize.conversion.errors import ExpertizeError
+
+    for wrong, problem in (
+        (index, r"expected a code, got Tensor; pass the code as decode's code argument: SparseCode\(index, "
+                r"weights\) \(from expertize\.modeling import SparseCode\) or an \(index, weights\) pair"),
+        ((weights, index), r"the code's index \(its first entry\) holds torch\.float32, not unit ids"),
+        ((index, weights[:, :2]), r"the code's index \(\d+, 8\) and weights \(\d+, 2\) must have one "
+                                  r"\(\.\.\., K\) shape"),
+    ):
+        with pytest.raises(ExpertizeError, match="^decode: " + problem) as caught:
+            expertize.decode(model, 2, wrong, cache.inputs[2])
+        assert "\n" not in str(caught.value)
     with pytest.raises(ValueError, match=r"layer\(s\) \[0\] are not sparse layers of this model; choose from \[2\]"):
         expertize.text_codes(model, tokenizer, "x", layers=[0])
 
@@ -72,6 +89,11 @@ def test_the_from_python_example_of_docs_upcycle_md_runs(tmp_path, monkeypatch):
     exec(compile(example, "docs/upcycle.md", "exec"), namespace)
     cache, steered = namespace["cache"], namespace["steered"]
     torch.testing.assert_close(namespace["out"], cache.outputs[2])
+    # The edited code, decoded as the page writes it (an (index, weights) tuple), is the intervention's output.
+    layer, unit = namespace["model"].sparse_layers()[2], namespace["unit"]
+    with torch.no_grad(), layer.intervene(ablate=[unit]):
+        torch.testing.assert_close(namespace["without"], layer(cache.inputs[2]))
+    assert not torch.allclose(namespace["without"], cache.outputs[2])
     # Steering at positions=[-1]: the last token's logits move, the others stay as they were.
     torch.testing.assert_close(steered[:-1], cache.logits[:-1])
     assert not torch.allclose(steered[-1], cache.logits[-1])

@@ -26,6 +26,7 @@ from typing import Literal
 
 import torch
 
+from ..errors import ExpertizeWarning
 from ..recipe.data import DataConfig, token_budget_to_sequences
 from .documents import DataError, iter_documents, resolve_paths
 
@@ -226,6 +227,7 @@ def _warn_short(split: str, produced: int, wanted: int, cfg: DataConfig) -> None
         f"the {split} documents give only {produced:,} sequences of {cfg.context_length} tokens "
         f"({produced * cfg.context_length:,} tokens), fewer than data.{key}={getattr(cfg, key):,} "
         f"({wanted:,} sequences); add text, lower data.{key}, or change data.eval_fraction",
+        ExpertizeWarning,
         stacklevel=3,
     )
 

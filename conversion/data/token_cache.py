@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import ExpertizeWarning
 from ..recipe.data import DataConfig, token_budget_to_sequences
 from .text import iter_sequences, resolve_paths
 
@@ -107,6 +108,7 @@ def _cached(folder: Path, key: str, entry: dict, data: DataConfig, wanted: int, 
             f"the train documents give only {available:,} sequences of {t} tokens ({available * t:,} tokens), fewer "
             f"than data.train_tokens={data.train_tokens:,} ({wanted:,} sequences); add text, lower data.train_tokens, "
             "or change data.eval_fraction",
+            ExpertizeWarning,
             stacklevel=2,
         )
 
@@ -178,5 +180,5 @@ class _EntryWriter:
         with contextlib.suppress(OSError):  # e.g. the folder could not be made: there is nothing to remove
             self.partial.unlink(missing_ok=True)
         warnings.warn(f"data.token_cache: could not write {self.folder} ({error}); this run's token ids are not "
-                      "kept (the run itself is unaffected)", stacklevel=2)
+                      "kept (the run itself is unaffected)", ExpertizeWarning, stacklevel=2)
         return None

@@ -19,7 +19,8 @@ def run_export(args: argparse.Namespace) -> int:
     if args.to != "delphi":
         given = [flag for flag, value in (("--corpus", args.corpus), ("--layers", args.layers)) if value]
         if given:
-            raise ExportError(f"{', '.join(given)} only apply to --to delphi (a {args.to} export holds every layer's "
+            verb = "applies" if len(given) == 1 else "apply"  # "--corpus applies", "--corpus and --layers apply"
+            raise ExportError(f"{' and '.join(given)} only {verb} to --to delphi (a {args.to} export holds every layer's "
                               "weights, read from the folder without any text)")
         out = export_coders(args.model_dir, args.to, args.output, base_model=args.base_model)
         print(f"expertize: wrote {args.to} export of {args.model_dir} to {out}")

@@ -12,13 +12,13 @@ front; `--base-model` names the base.
 import contextlib
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from ..checks import check_output_location
 from ..publishing.local_paths import public_base_model
 from ..publishing.model_folder import check_model_folder, read_provenance, recorded_base_model
+from ..publishing.run_folder import staging_folder
 from ..surgery.splice import EXPERTIZE_PREFIX, local_model_type
 from .expressible import ExportError
 
@@ -71,7 +71,7 @@ def staged_output(output: str | os.PathLike, *, need_bytes: int = 0) -> Iterator
         raise ExportError(f"OUTPUT {str(output)!r} already exists and is not empty; choose a new folder")
     check_output_location(output, what="OUTPUT", need_bytes=need_bytes)
     output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    staging = staging_folder(output.parent, f".{output.name}.")  # the output itself once renamed: not private
     try:
         yield staging
         if output.exists():

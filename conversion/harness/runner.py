@@ -152,6 +152,43 @@ def _harness_logging(verbose: bool) -> Iterator[None]:
         logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def _quiet_git_hash() -> Iterator[None]:
+    """lm-eval records the working directory's git commit (`git describe`, evaluator.get_git_commit_hash) and lets
+    git's stderr through: outside a checkout `expertize eval` printed "fatal: not a git repository". Its own
+    function still runs (the record is the same: the commit, or its fallback, None outside a checkout), with the
+    file descriptor git inherits as stderr pointed at /dev/null for the call."""
+    from lm_eval import evaluator
+
+    original = getattr(evaluator, "get_git_commit_hash", None)
+    if original is None:
+        yield
+        return
+
+    def quiet():
+        import sys
+
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        try:
+            saved = os.dup(2)
+        except OSError:  # no file descriptor 2 to inherit: nothing to quiet
+            return original()
+        try:
+            with open(os.devnull, "wb") as devnull:
+                os.dup2(devnull.fileno(), 2)
+            return original()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+    evaluator.get_git_commit_hash = quiet
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = original
+
+
 def run_harness(
     model,
     tokenizer,
@@ -176,7 +213,7 @@ def run_harness(
     output_dir.mkdir(parents=True, exist_ok=True)
     # A ".json" output_path makes the tracker write <output_dir>/results_<date>.json and the samples next to it.
     tracker = EvaluationTracker(output_path=str(output_dir / "results.json"))
-    with _harness_logging(verbose), quiet_lm_eval():  # quiet_lm_eval: no bars under --no-progress
+    with _harness_logging(verbose), quiet_lm_eval(), _quiet_git_hash():  # quiet_lm_eval: no bars (--no-progress)
         lm = HFLM(pretrained=model, tokenizer=tokenizer, backend="causal", batch_size=settings.batch_size)
         results = lm_eval.simple_evaluate(
             model=lm,

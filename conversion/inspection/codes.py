@@ -87,23 +87,48 @@ def text_codes(model, tokenizer, text: str, layers: list[int] | None = None) -> 
     return TextCodes(ids[0], [text_of(int(t)) for t in ids[0]], codes, inputs, outputs, logits)
 
 
+def _as_code(code) -> SparseCode:
+    """`code` as a `SparseCode`: one already, or an (index, weights) pair as `index, weights = cache.codes[i]`
+    unpacks it (tensors or nested lists of the same shape, index integral); anything else is refused up front, not
+    from inside the layer's forward hook."""
+    from .corpora import InspectionError
+
+    if isinstance(code, SparseCode):
+        return code
+    fix = ("pass the code as decode's code argument: SparseCode(index, weights) (from expertize.modeling import "
+           "SparseCode) or an (index, weights) pair of (..., K) tensors")
+    if not isinstance(code, (tuple, list)) or len(code) != 2:
+        raise InspectionError(f"decode: expected a code, got {type(code).__name__}; {fix}")
+    try:
+        index, weights = (v if isinstance(v, torch.Tensor) else torch.as_tensor(v) for v in code)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise InspectionError(f"decode: the code's (index, weights) are not tensors ({e}); {fix}") from None
+    if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
+        raise InspectionError(f"decode: the code's index (its first entry) holds {index.dtype}, not unit ids; "
+                              "give (index, weights) in that order, index an integer tensor")
+    if index.shape != weights.shape or index.dim() == 0:
+        raise InspectionError(f"decode: the code's index {tuple(index.shape)} and weights {tuple(weights.shape)} "
+                              "must have one (..., K) shape; give (index, weights) as text_codes returns them")
+    return SparseCode(index.long(), weights)
+
+
 @torch.no_grad()
 def decode(model_or_layer, layer: int | None, code: SparseCode, x: torch.Tensor) -> torch.Tensor:
     """A sparse layer's output (..., O) for its input `x` (..., I) with its code replaced by `code` (..., K'), e.g. a
-    `TextCodes` code with entries edited. The input is needed because in most kinds a unit's contribution depends on
-    it (an MxD expert scales the hidden code of x; a MoE-X expert is an MLP of x); a transcoder reads only its code
-    (and the skip connection x). `model_or_layer` is a model with `layer` its sparse layer index, or a sparse layer
-    (then `layer` is None)."""
+    `TextCodes` code with entries edited: a `SparseCode` or the (index, weights) pair it unpacks into. The input is
+    needed because in most kinds a unit's contribution depends on it (an MxD expert scales the hidden code of x; a
+    MoE-X expert is an MLP of x); a transcoder reads only its code (and the skip connection x). `model_or_layer` is a
+    model with `layer` its sparse layer index, or a sparse layer (then `layer` is None)."""
     mlp = model_or_layer if layer is None else model_or_layer.sparse_layers()[layer]
     if not isinstance(mlp, SparseLayer):
         raise TypeError(f"expected a sparse layer (or a model and a sparse layer index), got {type(mlp).__name__}")
+    code = _as_code(code)
+    if tuple(code.top_k_index.shape[:-1]) != tuple(x.shape[:-1]):
+        raise ValueError(f"the code covers {tuple(code.top_k_index.shape[:-1])} tokens but x {tuple(x.shape[:-1])}")
     param = next(mlp.parameters())
     x = x.to(device=param.device, dtype=param.dtype)
 
     def replace(module, args, shown: SparseCode) -> SparseCode:
-        lead = shown.top_k_index.shape[:-1]
-        if tuple(code.top_k_index.shape[:-1]) != tuple(lead):
-            raise ValueError(f"the code covers {tuple(code.top_k_index.shape[:-1])} tokens but x {tuple(lead)}")
         return SparseCode(code.top_k_index.to(shown.top_k_index.device),
                           code.top_k_weights.to(device=shown.top_k_weights.device, dtype=shown.top_k_weights.dtype))
 

@@ -42,8 +42,8 @@ from .folder_lock import LOCK, FolderLock, RunFolderBusy, busy
 __all__ = [
     "CHECKPOINT", "HEAL_LOG", "HEAL_STATE", "LM_EVAL", "METRICS", "MODEL_CARD", "PLOTS", "PROVENANCE",
     "RESOLVED_RECIPE", "STAGING_PREFIX", "TRAIN_LOG", "TRAIN_STATE",
-    "RunFolder", "RunFolderBusy", "RunFolderError", "RunFolderTaken", "Staging", "run_identity", "strict_json",
-    "write_json", "write_text", "write_yaml",
+    "RunFolder", "RunFolderBusy", "RunFolderError", "RunFolderTaken", "Staging", "run_identity", "staging_folder",
+    "strict_json", "write_json", "write_text", "write_yaml",
 ]
 
 METRICS = "metrics.json"
@@ -130,6 +130,23 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
 
 def write_yaml(path: str | os.PathLike, data: Any) -> Path:
     return _atomic_write(Path(path), yaml.safe_dump(data, sort_keys=False, allow_unicode=True))
+
+
+def staging_folder(parent: str | os.PathLike, prefix: str) -> Path:
+    """A new, uniquely named folder `parent/prefix<random>`, made as `mkdir` makes one: 0777 less the umask (0755
+    under umask 0022), as a run folder is. `tempfile.mkdtemp` makes 0700, and a staging folder that is renamed into
+    place *is* the output: an export or a saved model would be private to its owner (another user or a container
+    on a shared machine could not read it)."""
+    import secrets
+
+    for _ in range(100):
+        path = Path(parent) / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise FileExistsError(f"no free staging folder name {prefix}* in {parent}")
 
 
 def _diff_keys(a: Any, b: Any, prefix: str = "") -> list[str]:

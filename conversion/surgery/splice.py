@@ -9,7 +9,6 @@ import copy
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from expertize.modeling import SparseLayer, SparseSpec
 
+from ..publishing.run_folder import staging_folder
 from .families import EXPERTIZE_PREFIX, base_family, family_info
 
 __all__ = [
@@ -138,7 +138,7 @@ def save_model(model: PreTrainedModel, output_dir: str | os.PathLike, tokenizer=
     if tokenizer is None:
         tokenizer = base_tokenizer(model)
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
+    staging = staging_folder(output_dir.parent, f".{output_dir.name}.")  # becomes the folder: as mkdir makes one
     try:
         model.save_pretrained(staging)
         if tokenizer is not False:
