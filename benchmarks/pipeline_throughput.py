@@ -189,9 +189,10 @@ def layer_math(plan, pool: list[dict], steps: int, accelerator, folder: Path, wa
 
 def variants_recipe(recipe, n: int, output_dir: str):
     """`recipe` with `n` variants of its layer, one learning rate each (the recipe's, then x 2^(1/3), x 2^(-1/3),
-    x 2^(2/3), ...), under `output_dir`."""
+    x 2^(2/3), ...), under `output_dir`. The recipe's rate is the one its distillation trains at: train.lr, or what
+    `auto` resolves to for its kind and steps (`Recipe.distill_lr`)."""
     tree = recipe_to_dict(recipe)
-    lr = recipe.train.lr
+    lr = recipe.distill_lr()
     factors = [1.0] + [2 ** (math.ceil(i / 2) / 3 * (1 if i % 2 else -1)) for i in range(1, n)]
     tree["variants"] = [{"name": f"v{i}-lr{lr * f:.3g}", "train": {"lr": lr * f}} for i, f in enumerate(factors)]
     tree["output_dir"] = output_dir

@@ -185,3 +185,49 @@ def check_remote_roundtrip(model, tmp_path: Path, blocks: str, tokenizer=None) -
                tmp_path / "reference.pt")
     out = run_isolated(REMOTE_CHECK % {"blocks": blocks}, tmp_path)
     return json.loads(out.strip().splitlines()[-1]), input_ids, logits
+
+
+# -- the default run and the opt-in run -------------------------------------------------------------------------------
+#
+# `python -m pytest` runs the fast suite: it leaves out the tests marked `slow` (the rest of transformers' family x
+# kind matrix and the native controls, also marked `full_matrix`, and the longest end-to-end tests). Any `-m`
+# expression chooses by itself (`-m slow`: the opt-in run; `-m full_matrix`: the matrix only; `-m "slow or not slow"`:
+# everything), and a test named by its node id (`tests/test_x.py::test_y`) runs whatever its marks.
+
+OPT_IN = "slow"
+
+
+def named_on_the_command_line(config) -> list[tuple[Path, str]]:
+    """(path, node id part) of every argument that names tests by node id (`path::name...`)."""
+    named = []
+    for arg in config.args:
+        path, sep, rest = str(arg).partition("::")
+        if sep:
+            named.append(((config.invocation_params.dir / path).resolve(), rest))
+    return named
+
+
+def opted_out(item, markexpr: str, named: list[tuple[Path, str]]) -> bool:
+    """Whether the default selection leaves `item` out: it is marked OPT_IN, no `-m` expression was given, and the
+    command line does not name it."""
+    if markexpr or item.get_closest_marker(OPT_IN) is None:
+        return False
+    part = item.nodeid.partition("::")[2]
+    return not any(Path(item.path).resolve() == path and (part == rest or part.startswith((rest + "::", rest + "[")))
+                   for path, rest in named)
+
+
+def pytest_collection_modifyitems(config, items):
+    markexpr = config.getoption("markexpr", "") or ""
+    named = named_on_the_command_line(config)
+    dropped = [item for item in items if opted_out(item, markexpr, named)]
+    if dropped:
+        keep = set(map(id, dropped))
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if id(item) not in keep]
+
+
+def pytest_report_header(config):
+    if not (config.getoption("markexpr", "") or ""):
+        return [f"the fast suite: tests marked {OPT_IN} are deselected (opt in: -m {OPT_IN}; README.md#tests)"]
+    return []

@@ -16,8 +16,7 @@ from typing import Any
 import transformers
 
 REFERENCE_FAMILY = "llama"
-"""The family on which the default test run covers every layer kind (the others get MxD there; the rest of the
-family x kind matrix is marked slow)."""
+"""The family that stands for all of them in the tests that need only one."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,5 +163,6 @@ ROWS: dict[str, FamilyRow] = {
 FAMILY_NAMES = list(ROWS)
 
 MLP_FORMS = [next(name for name in FAMILY_NAMES if ROWS[name].glu == glu) for glu in (False, True)]
-"""The first family with a plain MLP and the first with a gated one (GPT-2, Llama): for tests of what depends on the
-MLP's form only, not on the family."""
+"""The first family with a plain MLP and the first with a gated one (GPT-2, whose MLP is Conv1D; Llama): for tests of
+what depends on the MLP's form only, not on the family. The default run covers every kind on them with transformers'
+common tests (tests/test_transformers_common.py)."""

@@ -120,6 +120,7 @@ def test_the_floor_rule_lifts_only_the_units_below_the_floor_and_never_goes_nega
     assert bool((layer.b_select == 0).all())  # once they fire, the bias decays back to 0
 
 
+@pytest.mark.slow  # a subprocess per kind (~8 s each)
 @pytest.mark.parametrize("kind", BALANCED_KINDS)
 def test_the_selection_bias_is_saved_and_routes_at_inference_through_remote_code(kind, tmp_path):
     from expertize.conversion.surgery.splice import splice

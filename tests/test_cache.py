@@ -53,6 +53,7 @@ def _assert_same_batches(a, b) -> None:
                 assert torch.equal(u, v), f"step {step}, layer {layer} differs"
 
 
+@pytest.mark.slow  # runs live and from the cache, resumed
 def test_cached_batches_equal_live_batches_and_resume_exactly(cache_run):
     tmp_path, tree = cache_run
     # Shards of 20 sequences: chunk boundaries (64 sequences) fall inside shards, reads span two shards.
@@ -91,6 +92,7 @@ def _log(folder: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if "second" not in k} for r in records]
 
 
+@pytest.mark.slow  # runs live and from the cache, resumed
 def test_cache_trained_run_equals_live_run_and_resumes_exactly(cache_run, monkeypatch):
     """float32 on CPU: bit-identical weights (torch.equal), since the cached batches are bit-identical to the live
     ones (chunk of 64 sequences = 4 capture batches of 16, so the capture batches are the same)."""
@@ -195,6 +197,7 @@ def test_interrupted_capture_leaves_no_usable_cache(cache_run, monkeypatch):
         capture_activations(recipe_from_dict(tree), target)
 
 
+@pytest.mark.slow  # runs live and from the cache
 def test_bfloat16_cache_round_trip(cache_run):
     tmp_path, tree = cache_run
     cache = capture_activations(recipe_from_dict(tree), tmp_path / "cache", dtype="bfloat16")

@@ -96,6 +96,7 @@ def test_fused_adamw_gives_the_per_parameter_steps_within_float_rounding(tmp_pat
     _assert_steps_close(fused, loop, loss_rtol=1e-4, grad_rtol=1e-4, param_atol=1e-5)
 
 
+@pytest.mark.slow  # torch.compile of the training step (~5 s)
 def test_the_compiled_step_traces_the_sparse_kernels_and_gives_the_eager_step(tmp_path):
     # aot_eager: dynamo + AOTAutograd without code generation (fast); the traced graph runs the same aten ops, so the
     # step matches the eager one to float rounding of the traced choice (the masked top K: the same units).

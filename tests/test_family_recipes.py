@@ -50,7 +50,6 @@ def _size_override(recipe_name: str) -> str:
     return f"layer.{units}=64" if getattr(layer, units) is not None else "layer.match_transcoder=2"
 
 
-@pytest.mark.slow  # one upcycle run per family and a subprocess (~9 s): `-m "not slow"` leaves it out
 def test_each_family_recipe_upcycles_a_tiny_random_model_and_loads_through_remote_code(tmp_path, capsys):
     corpus = write_corpus(tmp_path / "corpus.txt", n_docs=400)
     plan, expected = {}, {}

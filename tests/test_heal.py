@@ -93,6 +93,7 @@ def test_upcycle_heals_with_lora_and_saves_the_merged_model(tiny_run):
     assert ce == pytest.approx(metrics["ce"]["spliced"], rel=1e-4)
 
 
+@pytest.mark.slow  # healing interrupted and resumed
 def test_healing_resumes_exactly_after_an_interruption(tiny_run, monkeypatch):
     tmp_path, tree = tiny_run
     tree["train"]["distill"] = False

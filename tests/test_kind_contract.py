@@ -545,7 +545,6 @@ def _base_with_layers(family: str, num_layers: int):
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-@pytest.mark.slow  # a subprocess / a whole upcycle run: `-m "not slow"` leaves it out
 def test_every_kind_round_trips_through_remote_code_in_one_process(tmp_path):
     """One folder per family holding its share of the kinds (each kind's variant, then its tiny spec, on consecutive
     layers), all loaded through remote code by one fresh interpreter that cannot import expertize: the same
@@ -619,7 +618,7 @@ def _next_valid(spec, field: str):
     raise AssertionError(f"no valid {field} above {getattr(spec, field)}")
 
 
-@pytest.mark.slow  # a subprocess / a whole upcycle run: `-m "not slow"` leaves it out
+@pytest.mark.slow  # a whole upcycle run of every kind (tests/test_kind_contract.py's training step is in the default)
 def test_every_kind_distils_through_the_pipeline(tiny_run):
     """One upcycle run, every kind a variant on one activation stream: each sized by parameter matching to a 4x
     transcoder, its MLP-derived fields from the base model, trained (the loss falls), spliced and evaluated (finite

@@ -7,6 +7,7 @@ lm-eval's `generate_until` at batch sizes 1 and 8."""
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from expertize.conversion.surgery.families import attention_projections
@@ -37,6 +38,7 @@ def _folder(base, kind: str, out: Path) -> Path:
     return out
 
 
+@pytest.mark.slow  # a folder per family and kind, a subprocess (~30 s)
 def test_saved_folders_keep_the_native_contracts_through_remote_code(tmp_path):
     plan = {"families": {}, "kinds": {}}
     for family in FAMILY_NAMES:
@@ -109,6 +111,7 @@ metadata:
 """
 
 
+@pytest.mark.slow  # lm-eval runs twice (~50 s)
 def test_lm_eval_generate_until_is_the_same_at_batch_sizes_1_and_8(tmp_path):
     """lm-eval batches left-padded prompts of different lengths: an absolute-position family (GPT-2) decodes at
     shifted positions unless `generate` builds position ids from the mask. Native GPT-2 is the control."""

@@ -111,6 +111,7 @@ def _fresh_venv(root: Path) -> Path:
     return venv
 
 
+@pytest.mark.slow  # a venv, a wheel install and the quickstart (~25 s)
 def test_wheel_in_a_fresh_venv_runs_the_quickstart_offline_from_an_empty_directory(wheel, tmp_path):
     venv = _fresh_venv(tmp_path)
     python = venv / "bin" / "python"

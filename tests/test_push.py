@@ -98,6 +98,7 @@ class FakeHub:
             p.stop()
 
 
+@pytest.mark.slow  # a subprocess (~8 s)
 def test_push_uploads_a_folder_that_loads_without_expertize(model_dir, tmp_path):
     hub_root = tmp_path / "hub"
     with FakeHub(hub_root) as hub:

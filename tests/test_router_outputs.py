@@ -86,6 +86,7 @@ def test_training_forward_reports_aux_loss_for_trainers():
     assert all(layer.aux_loss is not None and layer.aux_loss.requires_grad for layer in layers)
 
 
+@pytest.mark.slow  # a subprocess (~7 s)
 def test_router_outputs_through_remote_code(tmp_path):
     model = _model("gpt_neox")
     model.save_pretrained(tmp_path / "model")

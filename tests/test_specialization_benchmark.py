@@ -6,11 +6,14 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import tiny_base_model, tiny_tokenizer
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
+@pytest.mark.slow  # the benchmark end to end (~13 s)
 def test_benchmark_trains_from_one_cache_per_seed_and_prints_intervals(tmp_path, monkeypatch):
     base = tmp_path / "base"
     tiny_base_model("llama").save_pretrained(base)

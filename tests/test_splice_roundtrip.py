@@ -8,7 +8,7 @@ import torch
 from expertize.conversion.surgery.splice import load_expertize_model, splice, splice_and_save
 from expertize.modeling import FAMILIES, MxdLayer, MxdSpec, SkipTranscoderSpec, TranscoderSpec, build_sparse_layer
 from tests.conftest import D_HIDDEN, D_MODEL, FAMILY_NAMES, check_remote_roundtrip, tiny_base_config, tiny_base_model
-from tests.families import ROWS
+from tests.families import REFERENCE_FAMILY, ROWS
 
 SUPPORTED = ", ".join(sorted(FAMILIES))
 
@@ -34,7 +34,10 @@ def trained_like_layers(family: str) -> dict:
     return layers
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+# A subprocess per family (~7 s): the default run has the reference family's; every family loads through remote code
+# there too, with one kind each, in tests/test_kind_contract.py's one-process round trip.
+@pytest.mark.parametrize("family", [pytest.param(family, marks=() if family == REFERENCE_FAMILY else pytest.mark.slow)
+                                    for family in FAMILY_NAMES])
 def test_roundtrip_through_remote_code(family, tmp_path, tokenizer):
     base = tiny_base_model(family)
     layers = trained_like_layers(family)

@@ -26,6 +26,7 @@ def test_no_layer_replaced_gives_identical_logits(stories):
         assert torch.equal(model(ids).logits, base(ids).logits)
 
 
+@pytest.mark.slow  # a real checkpoint and a subprocess (~7 s)
 def test_mxd_glu_at_layer_2_saves_reloads_remotely_and_generates(stories, tmp_path):
     path, base, tokenizer = stories
     shape = (base.config.hidden_size, base.config.intermediate_size)

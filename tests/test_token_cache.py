@@ -127,6 +127,7 @@ def test_the_token_cache_is_not_part_of_a_runs_identity(tmp_path):
     assert run_identity(tree) == run_identity(other)
 
 
+@pytest.mark.slow  # two upcycle runs
 def test_an_upcycle_run_writes_the_cache_and_the_next_run_trains_from_it_alike(tiny_run, monkeypatch):
     import yaml
     from safetensors.torch import load_file

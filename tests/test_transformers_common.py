@@ -2,9 +2,19 @@
 tests/transformers_common/README.md) plus the generation contracts, run on every family x kind — and on the native
 classes as the control, so a failure that is the harness's own is told apart from an expertize defect.
 
+The default run covers `DEFAULT`: every family with MxD, and every kind on one family of each MLP form
+(tests/families.py `MLP_FORMS`: GPT-2's plain Conv1D MLP, Llama's gated Linear one). A kind reaches a family only
+through the MLP's form and one shared mixin, and a kind file may import only torch and `sparse_base`
+(tests/test_structure.py), so a bug of one family x kind pair needs a code path the layout forbids: the two axes
+cover the ground of the matrix. On the pairs of another kind than MxD the default run leaves out the tests of the
+whole model's machinery (`MXD_ONLY`). The other pairs, those tests and the native controls are marked `full_matrix`
+and `slow`, which the default run leaves out (tests/conftest.py): `python -m pytest -m full_matrix` runs them.
+
 Tests that do not apply to a model are skipped in code, with the reason, in `NOT_APPLICABLE` (also in docs/native.md).
 """
 
+import fnmatch
+import functools
 import unittest
 from unittest import mock
 
@@ -12,15 +22,22 @@ import pytest
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
 from tests.common_testers import FamilyTester
-from tests.families import FAMILY_NAMES, REFERENCE_FAMILY
+from tests.families import FAMILY_NAMES, MLP_FORMS
 from tests.kinds import KINDS
 from tests.transformers_common.generation.test_utils import GenerationTesterMixin
 from tests.transformers_common.test_configuration_common import ConfigTester
 from tests.transformers_common.test_modeling_common import ModelTesterMixin
 
-# The default run covers every family with MxD (and natively, the control) and every kind on the reference family
-# (Llama); the rest of the matrix is marked slow.
-DEFAULT = {(family, "mxd") for family in FAMILY_NAMES} | {(REFERENCE_FAMILY, kind) for kind in KINDS}
+DEFAULT = {(family, "mxd") for family in FAMILY_NAMES} | {(family, kind) for family in MLP_FORMS for kind in KINDS}
+"""The (family, kind) pairs of the default run (the module docstring says why these)."""
+
+MXD_ONLY = ("test_generate_compile_model_forward_fullgraph", "test_torch_export", "test_bc_torch_dtype",
+            "test_eager_matches_sdpa_inference_*")
+"""Tests of the whole model's machinery (names; `*`: the parameterized ones) that the default run holds to the
+family x MxD pairs: torch.compile and torch.export of the whole model, loading in another dtype, eager vs SDPA
+attention in three dtypes. A kind meets them as it meets any forward, and its own fullgraph compile and dtypes are
+tests/test_kind_contract.py's (in the default run); they take two thirds of a pair's time. On the other pairs of
+`DEFAULT` they are marked `full_matrix` and `slow`: the opt-in run has them."""
 
 NOT_APPLICABLE: dict[str, str] = {}
 """test name -> why it does not apply to expertize models (skipped for them, run on the native classes)."""
@@ -64,12 +81,27 @@ class _CommonTests(ModelTesterMixin, GenerationTesterMixin):
         self.config_tester.run_common_tests()
 
 
+def _opt_in(method):
+    """The mixin's test `method` for one class only, marked for the opt-in run."""
+
+    @functools.wraps(method)
+    def test(self, *args, **kwargs):
+        return method(self, *args, **kwargs)
+
+    test.pytestmark = [*getattr(method, "pytestmark", []), pytest.mark.full_matrix.mark, pytest.mark.slow.mark]
+    return test
+
+
 def _make(family: str, kind: str | None) -> type:
     label = "Native" if kind is None else "".join(part.title() for part in kind.split("_"))
     name = f"Test{''.join(p.title() for p in family.split('_'))}{label}"
-    cls = type(name, (_CommonTests, unittest.TestCase), {"family": family, "kind": kind, "__module__": __name__})
-    if kind is not None and (family, kind) not in DEFAULT:
-        cls = pytest.mark.slow(cls)
+    attrs = {"family": family, "kind": kind, "__module__": __name__}
+    if (family, kind) in DEFAULT and kind != "mxd":
+        attrs.update({test: _opt_in(getattr(_CommonTests, test)) for test in dir(_CommonTests)
+                      if any(fnmatch.fnmatchcase(test, name) for name in MXD_ONLY)})
+    cls = type(name, (_CommonTests, unittest.TestCase), attrs)
+    if (family, kind) not in DEFAULT:  # the native controls (kind None) too
+        cls = pytest.mark.full_matrix(pytest.mark.slow(cls))
     return cls
 
 

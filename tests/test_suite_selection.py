@@ -1,0 +1,126 @@
+"""What the default run holds: transformers' common tests on every family with MxD and on every kind with one family
+of each MLP form (a gated one and GPT-2's Conv1D), derived from tests/families.py and tests/kinds.py; everything else
+of the matrix, and the native controls, behind the opt-in marks; and the rule of tests/conftest.py that leaves the
+opt-in tests out of a run without `-m` unless the command line names them."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from transformers.pytorch_utils import Conv1D
+
+import tests.test_transformers_common as common
+from tests.conftest import OPT_IN, named_on_the_command_line, opted_out, tiny_base_model
+from tests.families import FAMILY_NAMES, ROWS
+from tests.kinds import KINDS
+
+
+def _marks(obj) -> set[str]:
+    return {mark.name for mark in getattr(obj, "pytestmark", [])}
+
+
+def _classes() -> dict[tuple[str, str | None], type]:
+    """(family, kind or None for the native classes) -> its class of transformers' common tests."""
+    return {(value.family, value.kind): value for value in vars(common).values()
+            if isinstance(value, type) and issubclass(value, common._CommonTests) and value is not common._CommonTests}
+
+
+def _default(classes) -> set[tuple[str, str | None]]:
+    return {pair for pair, cls in classes.items() if OPT_IN not in _marks(cls)}
+
+
+def _opt_in_tests(cls) -> set[str]:
+    """The tests of `cls` marked for the opt-in run here (transformers marks its skipped `@slow` tests slow too)."""
+    return {name for name in dir(cls) if name.startswith("test") and "full_matrix" in _marks(getattr(cls, name))}
+
+
+def _mlp_is_conv1d(family: str) -> bool:
+    model = tiny_base_model(family)
+    return any(isinstance(m, Conv1D) for name, m in model.named_modules() if ".mlp." in f".{name}.")
+
+
+def test_the_matrix_is_every_family_by_every_kind_and_native():
+    assert set(_classes()) == {(family, kind) for family in FAMILY_NAMES for kind in [None, *KINDS]}
+
+
+def test_the_default_run_covers_every_family_with_mxd_and_every_kind_on_a_glu_and_a_conv1d_family():
+    default = _default(_classes())
+    assert {(family, "mxd") for family in FAMILY_NAMES} <= default
+    every_kind = [family for family in FAMILY_NAMES if {(family, kind) for kind in KINDS} <= default]
+    assert any(ROWS[family].glu for family in every_kind), every_kind
+    assert any(_mlp_is_conv1d(family) for family in every_kind), every_kind
+    assert len(every_kind) == 2, "the default run covers every kind on two families (one per MLP form), no more"
+    assert default == {(f, "mxd") for f in FAMILY_NAMES} | {(f, kind) for f in every_kind for kind in KINDS}
+
+
+def test_the_rest_of_the_matrix_and_the_native_controls_are_opt_in():
+    classes = _classes()
+    rest = {pair for pair in classes if pair not in _default(classes)}
+    assert {(family, None) for family in FAMILY_NAMES} <= rest
+    assert all(_marks(classes[pair]) >= {"full_matrix", OPT_IN} for pair in rest)
+
+
+def test_the_default_pairs_of_other_kinds_leave_the_machinery_tests_to_the_opt_in_run():
+    classes = _classes()
+    machinery = _opt_in_tests(classes[("llama", "transcoder")])
+    assert {"test_generate_compile_model_forward_fullgraph", "test_torch_export"} <= machinery
+    sdpa = [name for name in dir(common._CommonTests) if name.startswith("test_eager_matches_sdpa_inference_")]
+    assert len(machinery) == 3 + len(sdpa) and len(sdpa) > 1
+    for pair in _default(classes):
+        opt_in = _opt_in_tests(classes[pair])
+        assert opt_in == (set() if pair[1] == "mxd" else machinery), pair
+        assert all(_marks(getattr(classes[pair], name)) >= {"full_matrix", OPT_IN} for name in opt_in)
+    # The mixin's own tests stay unmarked: the classes of the opt-in run have them whole, marked as a class.
+    assert not _opt_in_tests(common._CommonTests) and not _opt_in_tests(classes[("qwen2", "transcoder")])
+
+
+def test_the_marks_are_registered_and_the_default_run_has_no_mark_expression():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    ini = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["tool"]["pytest"]
+    names = {marker.split(":")[0] for marker in ini["ini_options"]["markers"]}
+    assert {OPT_IN, "full_matrix"} <= names
+    # A -m in addopts would be replaced by a user's own -m (`-m "not slow"` would bring the matrix back).
+    assert "-m" not in ini["ini_options"]["addopts"].split()
+
+
+# -- the rule of tests/conftest.py, on stand-ins of pytest's items and config -----------------------------------------
+
+
+@dataclasses.dataclass
+class _Item:
+    nodeid: str
+    marks: tuple[str, ...] = ()
+
+    @property
+    def path(self) -> Path:
+        return Path.cwd() / self.nodeid.partition("::")[0]
+
+    def get_closest_marker(self, name):
+        return name if name in self.marks else None
+
+
+class _Config:
+    def __init__(self, *args: str):
+        self.args = list(args)
+        self.invocation_params = type("Params", (), {"dir": Path.cwd()})()
+
+
+@pytest.mark.parametrize(
+    ("args", "markexpr", "kept"),
+    [
+        (["tests"], "", {"plain"}),
+        (["tests/test_a.py"], "", {"plain"}),
+        (["tests"], OPT_IN, {"plain", "opt", "class"}),  # pytest's -m then selects; the rule steps aside
+        (["tests"], "not slow", {"plain", "opt", "class"}),
+        (["tests/test_a.py::test_opt"], "", {"plain", "opt"}),
+        (["tests/test_a.py::test_o"], "", {"plain"}),  # a prefix of a name is not the name
+        (["tests/test_a.py::TestC"], "", {"plain", "class"}),
+        (["tests/test_b.py::test_opt"], "", {"plain"}),
+    ],
+)
+def test_the_default_run_leaves_out_the_opt_in_tests_unless_named_or_a_mark_expression_is_given(args, markexpr, kept):
+    items = {"plain": _Item("tests/test_a.py::test_plain"), "opt": _Item("tests/test_a.py::test_opt[x]", (OPT_IN,)),
+             "class": _Item("tests/test_a.py::TestC::test_m", (OPT_IN, "full_matrix"))}
+    named = named_on_the_command_line(_Config(*args))
+    assert {key for key, item in items.items() if not opted_out(item, markexpr, named)} == kept
+
