@@ -30,6 +30,7 @@ from pathlib import Path
 
 from _runs import run_variants
 from code_share import BUDGETS, EVAL_TOKENS, MODELS, _cell
+from code_share import collect as collect_rows
 from dead_units import TRAIN, ensure_cache, model_tree
 
 SCHEDULES = {
@@ -73,14 +74,11 @@ def run_tree(name: str, args, budget: int, seed: int, root: Path) -> tuple[dict,
 
 
 def collect(metrics_of: dict, settings: list[dict]) -> list[dict]:
+    """code_share.py's rows (KL, FVU, dead units, code share, lr) plus the warm-up and schedule each variant used."""
     rows = []
-    for s in settings:
-        metrics = metrics_of[s["name"]]
-        (m,) = metrics["layers"].values()
-        train = metrics.get("train") or {}
-        rows.append({**s, "fvu": m["fvu"], "kl": metrics["ce"]["kl_base_spliced"], "dead": m["dead_fraction"],
-                     "share": m.get("code_share"),
-                     "lr": train.get("lr"), "warmup": train.get("warmup_steps"), "sched": train.get("schedule")})
+    for row in collect_rows(metrics_of, settings):
+        train = metrics_of[row["name"]].get("train") or {}
+        rows.append({**row, "warmup": train.get("warmup_steps"), "sched": train.get("schedule")})
     return rows
 
 
