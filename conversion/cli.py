@@ -18,7 +18,7 @@ import os
 import sys
 
 from .checks import at_least, int_list, non_negative_int, positive_float, positive_int
-from .cli_flags import Subcommand, lm_eval_limit, setting_flag, settings_from
+from .cli_flags import Subcommand, lm_eval_limit, reading_flags, reading_of, setting_flag, settings_from
 from .cli_flags import house_warnings
 from .cli_flags import say as _stderr
 from .errors import ExpertizeError
@@ -164,7 +164,7 @@ def _specialize(args: argparse.Namespace) -> int:
         args.model_dir, corpora, settings, layer=args.layer, fit_tokens=args.fit_tokens,
         eval_tokens=args.eval_tokens, context_length=args.context_length, eval_fraction=args.eval_fraction,
         base=args.base, device=device, progress=not args.no_progress, eval_corpora=eval_corpora,
-        document_tokens=args.document_tokens,
+        document_tokens=args.document_tokens, reading=reading_of(args, args.model_dir),
     )
     print(report.format())
     if args.json:
@@ -227,6 +227,7 @@ def _specialize_flags(sp) -> None:
     setting_flag(sp, S, "seed", type=int, help="split, controls and probes seed")
     setting_flag(sp, S, "batch_size", type=positive_int, help="sequences per forward pass")
     sp.add_argument("--device", default="cpu", help="auto, cpu, cuda, cuda:N, mps (default cpu)")
+    reading_flags(sp, separator=False)
     sp.add_argument("--json", help="also write the full report as JSON to this file")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
 

@@ -94,6 +94,33 @@ def corpus_pass_flags(parser, settings, *, corpus_help: str) -> None:
                  help="tokens per sequence, at most the model's positions")
     setting_flag(parser, settings, "batch_size", type=positive_int, help="sequences per forward pass")
     parser.add_argument("--device", default="cpu", help="auto, cpu, cuda, cuda:N, mps (default cpu)")
+    reading_flags(parser)
+
+
+def reading_flags(parser, separator: bool = True) -> None:
+    """--add-bos, --document-marker, --document-separator (unless not `separator`: `specialize` splits corpora by
+    their own documents): how a command reads its corpora (data/run_reading.py); default: as the folder's run read
+    its text."""
+    parser.add_argument("--add-bos", choices=["auto", "true", "false"],
+                        help="start every packed sequence with BOS (default: as the folder's run read its text, "
+                        "its recipe.resolved.yaml's data.add_bos; auto without one)")
+    parser.add_argument("--document-marker", choices=["eos", "bos"],
+                        help="EOS after every document, or BOS before it as llama2.c's models read (default: the "
+                        "run's data.document_marker; eos without one)")
+    if not separator:
+        parser.set_defaults(document_separator=None)
+        return
+    parser.add_argument("--document-separator", choices=["auto", "line", "blank_line", "file"],
+                        help="how a .txt corpus splits into documents: auto (lines, or blank-line blocks when it has "
+                        "them), line, blank_line, or file: one raw stream (default: file when the run read its text "
+                        "as one stream, else auto)")
+
+
+def reading_of(args, model_dir):
+    """The `TextReading` the parsed reading flags ask for, over the one the folder's run recorded."""
+    from .data.run_reading import TextReading
+
+    return TextReading.of_folder(model_dir).overridden(args.add_bos, args.document_marker, args.document_separator)
 
 
 # -- the types of the commands' own flags (conversion/checks.py holds those the recipe shares) -------------------------

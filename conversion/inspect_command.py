@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from .checks import non_negative_int, positive_int
-from .cli_flags import corpus_pass_flags, say, setting_flag, settings_from, token_progress
+from .cli_flags import corpus_pass_flags, reading_of, say, setting_flag, settings_from, token_progress
 
 __all__ = ["add_inspect", "inspection_settings"]
 
@@ -19,9 +19,11 @@ def _inspect(args: argparse.Namespace) -> int:
     from .inspection.output import ReportFolder, model_identity
 
     device = resolve_device(args.device, "--device")
+    reading = reading_of(args, args.model_dir)  # as the folder's run read its text, unless the flags say otherwise
     if args.prompt is not None:
         model, tokenizer = load_for_inspection(args.model_dir, device)
-        ids = prompt_ids(tokenizer, args.prompt, max_positions=model_positions(model.config), log=say)
+        ids = prompt_ids(tokenizer, args.prompt, max_positions=model_positions(model.config), log=say,
+                         bos=reading.prompt_bos(tokenizer))
         print(format_prompt_view(prompt_view(model, ids, token_texts(tokenizer), top=args.per_token)))
         return 0
     if not args.corpus or not args.output:
@@ -38,7 +40,7 @@ def _inspect(args: argparse.Namespace) -> int:
     with ReportFolder(args.output, model_identity(args.model_dir), overwrite=args.overwrite).claimed() as folder:
         stats = inspect_folder(
             args.model_dir, corpora, settings, device=device,
-            progress=None if args.no_progress else token_progress("inspect"),
+            progress=None if args.no_progress else token_progress("inspect"), reading=reading,
         )
         if not args.no_progress:
             print(file=sys.stderr)

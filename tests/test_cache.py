@@ -238,3 +238,19 @@ def test_a_bf16_capture_is_cached_as_such_and_refused_for_an_fp32_recipe(cache_r
     del manifest["base"]["capture_precision"]
     (cache / CACHE_MANIFEST).write_text(json.dumps(manifest))
     assert ActivationCache(cache).mismatches(recipe_from_dict(tree), [0, 1]) == []
+
+
+def test_a_cache_written_before_the_readings_existed_matches_the_default_reading(cache_run):
+    """Issue 39 added data.document_marker and data.eval_split: a cache whose manifest has neither was read with
+    EOS after every document and a split by whole documents, so it matches a recipe with those defaults and is
+    refused for another reading, naming the key."""
+    tmp_path, tree = cache_run
+    cache = capture_activations(recipe_from_dict(tree), tmp_path / "cache")
+    manifest = json.loads((cache / CACHE_MANIFEST).read_text())
+    for key in ("document_marker", "eval_split"):
+        del manifest["stream"][key]
+    (cache / CACHE_MANIFEST).write_text(json.dumps(manifest))
+    assert ActivationCache(cache).mismatches(recipe_from_dict(tree), [0, 1]) == []
+    bos = {**tree, "data": {**tree["data"], "document_marker": "bos"}}
+    assert ActivationCache(cache).mismatches(recipe_from_dict(bos), [0, 1]) == [
+        "data.document_marker (cache: 'eos', recipe: 'bos')"]

@@ -99,6 +99,42 @@ def test_text_document_separators(tmp_path):
     assert docs["file"] == ["one a\ntwo\n\n  \nthree\n\n\nfour\n"]
 
 
+def test_the_tail_split_holds_out_the_end_of_every_document_by_characters(tmp_path):
+    """Issue 39: eval_split: tail is a raw stream's own split (the shipped tiny-gpt2-shakespeare was trained on the
+    first 90 % of its file by characters, validated on the last 10 %): train + eval is the file, nothing shared."""
+    text = "".join(f"line {i} of the play\n" for i in range(500))
+    path = tmp_path / "play.txt"
+    path.write_text(text, encoding="utf-8")
+    split = split_documents(DataConfig(paths=[str(path)], document_separator="file", eval_split="tail",
+                                       eval_fraction=0.1))
+    (train,), (held,) = list(split.train()), list(split.eval())
+    assert train + held == text and len(held) == round(0.1 * len(text))
+    # Held-out files still win over the fraction (the key's documentation says so).
+    other = tmp_path / "held.txt"
+    other.write_text("held out\n", encoding="utf-8")
+    with_files = split_documents(DataConfig(paths=[str(path)], document_separator="file", eval_split="tail",
+                                            eval_paths=[str(other)]))
+    assert list(with_files.eval()) == ["held out\n"] and list(with_files.train()) == [text]
+    with pytest.raises(ValueError, match=r"data.eval_split must be one of \['documents', 'tail'\], got 'end'"):
+        DataConfig(paths=[str(path)], eval_split="end")
+
+
+def test_the_bos_marker_reads_documents_as_llama2c_trained_on_them(tmp_path, tokenizer):
+    """Issue 39: data.document_marker: bos puts BOS before every document and no EOS (llama2.c's pretokenization:
+    encode(text, bos=True, eos=False), concatenated); with add_bos false nothing else is inserted."""
+    path = tmp_path / "stories.txt"
+    docs = make_documents(6)
+    path.write_text("\n".join(docs) + "\n", encoding="utf-8")
+    cfg = DataConfig(paths=[str(path)], document_marker="bos", add_bos=False, context_length=8, shuffle_documents=False)
+    ids = torch.cat(list(pack_sequences(iter(docs), tokenizer, cfg, "eval"))).tolist()
+    stream = [t for doc in docs for t in [BOS] + tokenizer(doc, add_special_tokens=False)["input_ids"]]
+    assert ids == stream[: len(ids)] and EOS not in ids and len(ids) == len(stream) - len(stream) % 8
+    with pytest.raises(DataError, match="data.document_marker=bos but the tokenizer .* has no BOS token"):
+        list(pack_sequences(iter(docs), make_tokenizer(bos=False), cfg, "eval"))
+    with pytest.raises(ValueError, match=r"data.document_marker must be one of \['eos', 'bos'\]"):
+        DataConfig(paths=[str(path)], document_marker="sep")
+
+
 def test_globs_are_sorted_and_read_in_order(tmp_path):
     for name, text in [("b.txt", "bee"), ("a.txt", "ay"), ("c.md", "skip")]:
         (tmp_path / name).write_text(text, encoding="utf-8")
@@ -419,8 +455,14 @@ def test_check_data_empty_held_out_split_blank_line_without_blank_lines(tmp_path
         check_data(cfg, tokenizer)
     message = str(info.value)
     assert "the held-out split is empty" in message and "gives 1 document(s)" in message
-    assert "set data.document_separator: line (one document per line), or raise data.eval_fraction" in message
+    assert "set data.document_separator: line (one document per line), hold out the end of every document with " \
+           "data.eval_split: tail, give held-out files in data.eval_paths, or raise data.eval_fraction" in message
+    # Issue 39: every setting the refusal names resolves it, applied as written.
     assert check_data(data_config(path, document_separator="line"), tokenizer).eval_sequences == 4
+    assert check_data(data_config(path, document_separator="blank_line", eval_split="tail"), tokenizer).eval_sequences
+    held = tmp_path / "held.txt"
+    held.write_text("\n".join(make_documents()[:12]) + "\n", encoding="utf-8")
+    assert check_data(data_config(path, document_separator="blank_line", eval_paths=[str(held)]), tokenizer)
 
 
 def test_check_data_empty_train_split(tmp_path, tokenizer):
@@ -431,8 +473,9 @@ def test_check_data_empty_train_split(tmp_path, tokenizer):
         check_data(data_config(path, document_separator="file", seed=seed), tokenizer)
     path.write_text(" ".join(WORDS * 10) + "\n" + " ".join(WORDS), encoding="utf-8")  # two documents
     both_out = next(s for s in range(1000) if document_in_eval(0, s, 0.2) and document_in_eval(1, s, 0.2))
-    with pytest.raises(DataError, match=r"all 2 document\(s\).*fall in the held-out split.*add documents, or lower "
-                                        r"data.eval_fraction"):
+    with pytest.raises(DataError, match=r"all 2 document\(s\).*fall in the held-out split.*add documents, hold out "
+                                        r"the end of every document with data.eval_split: tail, give held-out files "
+                                        r"in data.eval_paths, or lower data.eval_fraction"):
         check_data(data_config(path, document_separator="line", seed=both_out), tokenizer)
 
 

@@ -195,7 +195,9 @@ def test_the_prompt_example_of_docs_inspect_md_is_what_the_quickstart_prints(tmp
     prompt, per_token, shown = example[1], example[2], example[3].splitlines()
     out = tmp_path / "quickstart"
     assert main(["upcycle", "quickstart", "--no-progress", "--set", f"output_dir={out}"]) == 0
-    capsys.readouterr()
+    # Issue 39: the README's main command prints no warning about its own example (its reading, its dead units).
+    said = capsys.readouterr()
+    assert not [line for line in (said.out + said.err).splitlines() if re.search(r"WARNING |warning:", line)], said.err
     assert main(["inspect", str(out), "--prompt", prompt, "--per-token", per_token]) == 0
     printed = capsys.readouterr().out.splitlines()[: len(shown)]
     assert printed[:2] == shown[:2]  # the header

@@ -651,17 +651,21 @@ def test_kind_switch_from_the_command_line_resets_k_with_null():
 
 def test_switching_the_quickstart_to_mumoe_cp_takes_the_overrides_the_error_names():
     """`--set layer.k=null` alone was not enough (μMoE also needs its expert count) and the two errors came one at a
-    time; the first now names every override, and those overrides, as docs/recipes.md gives them, load and size."""
+    time; the first now names every override, and those overrides, as docs/recipes.md gives them, load and size. (The
+    quickstart's K is the default 32, which a kind without a top-k ignores; a K of 16 must be reset.)"""
     with pytest.raises(RecipeError) as info:
-        load_recipe("quickstart", ["layer.kind=mumoe_cp"])
+        load_recipe("quickstart", ["layer.k=16", "layer.kind=mumoe_cp"])
     switch = re.search(r"switch kinds on the command line with (.*?) \(", str(info.value))[1]
     assert switch == "--set layer.kind=mumoe_cp --set layer.k=null --set layer.num_experts=N"
     overrides = [part.replace("=N", "=256") for part in switch.split("--set ")[1:]]
-    recipe = load_recipe("quickstart", [o.strip() for o in overrides])
+    recipe = load_recipe("quickstart", ["layer.k=16"] + [o.strip() for o in overrides])
     spec = resolve_layer_spec(recipe.layer, BASE_MODELS["tiny-gpt2-shakespeare"][0])
     assert (spec.kind, spec.num_experts) == ("mumoe_cp", 256) and spec.rank >= 1
     page = (RECIPES.parent / "docs" / "recipes.md").read_text(encoding="utf-8")
     assert "`--set layer.kind=mumoe_cp --set layer.k=null --set layer.num_experts=256`" in page
+    # The documented switch works on the shipped quickstart as written.
+    documented = load_recipe("quickstart", ["layer.kind=mumoe_cp", "layer.k=null", "layer.num_experts=256"])
+    assert documented.layer.kind == "mumoe_cp"
     with pytest.raises(RecipeError, match=r"layer\.num_experts is required: layer\.match_transcoder sizes the rank of "
                                           r"layer\.kind='mumoe_cp', not its expert count; set it, e\.g\. --set "
                                           r"layer\.num_experts=256$"):

@@ -86,7 +86,7 @@ def test_each_variant_equals_its_recipe_trained_alone(variants_run):
         verdict = metrics["verdict"]
         assert verdict["fidelity"] and f" | {verdict['grade']} (fidelity {verdict['fidelity']}" in row
         shares = [m["code_share"] for m in metrics["layers"].values() if m["code_share"] is not None]
-        cell = format_percent(sum(shares) / len(shares), 0) if shares else "–"
+        cell = format_percent(sum(shares) / len(shares) if shares else None, 0)
         assert f" | {cell} | {verdict['grade']} (" in row
     assert "| effective units | code share | verdict | health |" in table
 

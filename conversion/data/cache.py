@@ -70,6 +70,8 @@ stored token ids, the cache folders name themselves, and streaming changes how a
 holds. Every other (and any future) data field must be equal."""
 LEGACY_BASE = {"capture_precision": "fp32"}
 """Values of base-identity keys that caches written before the key existed were captured with."""
+LEGACY_STREAM = {"document_marker": "eos", "eval_split": "documents"}
+"""Values of data fields that caches written before the field existed were read with (issue 39's readings)."""
 
 
 class CacheError(ExpertizeError):
@@ -269,10 +271,11 @@ class ActivationCache:
             out.append(f"layers (the cache holds {self.layers}, the recipe also needs {missing})")
         want = stream_identity(recipe.data)
         for key in sorted(set(want) | set(m["stream"])):
-            if m["stream"].get(key) != want.get(key):
+            have = m["stream"].get(key, LEGACY_STREAM.get(key))
+            if have != want.get(key):
                 name = ("data.paths (the corpus files or their sizes, data.eval_paths' too)" if key == "corpus"
                         else f"data.{key}")
-                out.append(f"{name} (cache: {m['stream'].get(key)!r}, recipe: {want.get(key)!r})")
+                out.append(f"{name} (cache: {have!r}, recipe: {want.get(key)!r})")
         t = recipe.data.context_length
         needed = stream_sequences(recipe.data.train_tokens, t, world_size)
         if self.sequences < needed and not m["exhausted"]:

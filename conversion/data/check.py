@@ -23,6 +23,7 @@ from .text import (
     DataError,
     _document_tokens,
     _pack,
+    inserted_token_id,
     iter_documents,
     resolve_add_bos,
     resolve_paths,
@@ -67,8 +68,8 @@ class DataReport:
 class _TokenCounter:
     """Passes token lists through, counting documents and those that tokenized to nothing (EOS aside)."""
 
-    def __init__(self, eos: int | None) -> None:
-        self.eos_tokens = int(eos is not None)
+    def __init__(self, inserted: int | None) -> None:
+        self.eos_tokens = int(inserted is not None)
         self.documents = self.empty = self.tokens = 0
 
     def __call__(self, token_lists: Iterable[list[int]]) -> Iterator[list[int]]:
@@ -85,9 +86,9 @@ def _count_sequences(docs: Iterable[str], tokenizer, bos: int | None, cfg: DataC
     The packed-sequence count does not depend on the document order (packing only drops the final ragged tail),
     so the train split is counted without its shuffle: same number, no shuffle buffer to fill.
     """
-    counter = _TokenCounter(tokenizer.eos_token_id)
+    counter = _TokenCounter(inserted_token_id(cfg.document_marker, tokenizer))
     content_length = cfg.context_length - (bos is not None)
-    sequences = _pack(counter(_document_tokens(docs, tokenizer)), content_length, bos)
+    sequences = _pack(counter(_document_tokens(docs, tokenizer, cfg.document_marker)), content_length, bos)
     return sum(1 for _ in itertools.islice(sequences, limit)), counter
 
 
@@ -132,14 +133,19 @@ def _describe_corpus(cfg: DataConfig) -> str:
 
 
 def _few_documents_fix(cfg: DataConfig, total_documents: int, remedy: str) -> str:
-    """Advice for an empty split: the split is by whole documents, so the usual cause is too few of them."""
+    """Advice for an empty split: the split is by whole documents, so the usual cause is too few of them. Every
+    setting that resolves it is named: the separator, the tail split, held-out files, the fraction."""
+    other_split = ("hold out the end of every document with data.eval_split: tail, give held-out files in "
+                   "data.eval_paths")
     if cfg.source == "text" and cfg.document_separator == "blank_line":
         return ("with document_separator: blank_line a file without blank lines is one document; set "
-                f"data.document_separator: line (one document per line), or {remedy}")
+                f"data.document_separator: line (one document per line), {other_split}, or {remedy}")
     if cfg.source == "text" and cfg.document_separator == "file":
-        return "each file is one document; set data.document_separator: line or blank_line, or add files"
+        return ("each file is one document; hold out the end of every file with data.eval_split: tail (a raw "
+                "stream's own split), give held-out files in data.eval_paths, set data.document_separator: line or "
+                "blank_line, or add files")
     if total_documents < 1 / cfg.eval_fraction:
-        return f"add documents, or {remedy}"
+        return f"add documents, {other_split}, or {remedy}"
     return f"{remedy}, or change data.seed"
 
 

@@ -1,9 +1,10 @@
 """The data stage: stream text, split it by document, tokenize and pack it into fixed-length sequences.
 
     documents (text / jsonl / parquet files, or a datasets hub dataset)
-      -> train/eval split by document (stable hash of (seed, document index))
+      -> train/eval split by document (stable hash of (seed, document index)), or each document's tail held out
       -> seeded buffer shuffle of documents (train only)
-      -> tokenize (no special tokens from the tokenizer), EOS after every document
+      -> tokenize (no special tokens from the tokenizer), EOS after every document (or BOS before it:
+         data.document_marker, the reading of llama2.c's models)
       -> pack into sequences of exactly `context_length` tokens: [BOS] + (T - 1) content tokens when BOS is on
       -> batches (B, T)
 
@@ -36,6 +37,7 @@ __all__ = [
     "batch_sequences",
     "document_in_eval",
     "iter_documents",
+    "inserted_token_id",
     "iter_sequences",
     "load_eval_sequences",
     "pack_sequences",
@@ -87,6 +89,13 @@ class DocumentSplit:
                 return
             seen = {_digest(doc) for doc in iter_documents(held, key="data.eval_paths")}
             yield from (doc for doc in iter_documents(self.cfg) if _digest(doc) not in seen)
+            return
+        if self.cfg.eval_split == "tail":  # every document's last eval_fraction (by characters) is held out
+            for doc in iter_documents(self.cfg):
+                cut = round(len(doc) * (1 - self.cfg.eval_fraction))
+                part = doc[cut:] if want_eval else doc[:cut]
+                if part.strip():
+                    yield part
             return
         for index, doc in enumerate(iter_documents(self.cfg)):
             if document_in_eval(index, self.cfg.seed, self.cfg.eval_fraction) == want_eval:
@@ -155,14 +164,29 @@ def shuffle_buffered(items: Iterable[str], buffer_size: int, seed: int) -> Itera
     yield from buffer
 
 
-def _document_tokens(docs: Iterable[str], tokenizer) -> Iterator[list[int]]:
-    """Token ids of each document (no special tokens from the tokenizer), followed by EOS when there is one."""
-    eos = tokenizer.eos_token_id
+def inserted_token_id(marker: str, tokenizer) -> int | None:
+    """The id the reading puts between documents (data.document_marker): the tokenizer's EOS (None when it has
+    none: nothing is inserted) or its BOS, which must exist."""
+    if marker == "eos":
+        return tokenizer.eos_token_id
+    if tokenizer.bos_token_id is None:
+        raise DataError(f"data.document_marker=bos but the tokenizer {type(tokenizer).__name__} has no BOS token; "
+                        "set data.document_marker: eos, or give the tokenizer a bos_token")
+    return tokenizer.bos_token_id
+
+
+def _document_tokens(docs: Iterable[str], tokenizer, marker: str = "eos") -> Iterator[list[int]]:
+    """Token ids of each document (no special tokens from the tokenizer), followed by EOS when there is one
+    (marker "eos"), or preceded by BOS (marker "bos")."""
+    inserted = inserted_token_id(marker, tokenizer)
     docs = iter(docs)
     while batch := list(itertools.islice(docs, TOKENIZE_BATCH_DOCUMENTS)):
         encoded = tokenizer(batch, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
         for ids in encoded:
-            yield ids + [eos] if eos is not None else ids
+            if inserted is None:
+                yield ids
+            else:
+                yield [inserted] + ids if marker == "bos" else ids + [inserted]
 
 
 def _pack(token_lists: Iterable[list[int]], content_length: int, bos: int | None) -> Iterator[list[int]]:
@@ -185,7 +209,8 @@ def pack_sequences(
     """Pack the documents of one split into sequences of exactly T = cfg.context_length tokens, each (T,).
 
     Train documents are shuffled with a seeded buffer (when cfg.shuffle_documents); eval documents keep their order.
-    EOS (when the tokenizer has one) follows every document; with BOS on, every sequence is [BOS] + (T - 1) tokens.
+    EOS (when the tokenizer has one) follows every document, or BOS precedes it (cfg.document_marker); with BOS on
+    (cfg.add_bos), every sequence is [BOS] + (T - 1) tokens.
     No padding: the tail that does not fill a sequence is dropped. `start_sequence=n` yields exactly the sequences
     n, n+1, ... of the full stream (it regenerates and discards the first n), so a run can resume.
     """
@@ -196,7 +221,7 @@ def pack_sequences(
         docs = shuffle_buffered(docs, cfg.shuffle_buffer_documents, cfg.seed)
     bos = tokenizer.bos_token_id if resolve_add_bos(cfg, tokenizer) else None
     content_length = cfg.context_length - (bos is not None)
-    sequences = _pack(_document_tokens(docs, tokenizer), content_length, bos)
+    sequences = _pack(_document_tokens(docs, tokenizer, cfg.document_marker), content_length, bos)
     return (torch.tensor(ids, dtype=torch.long) for ids in itertools.islice(sequences, start_sequence, None))  # (T,)
 
 
@@ -256,7 +281,8 @@ def load_eval_sequences(cfg: DataConfig, tokenizer) -> torch.LongTensor:
     if not sequences:
         raise DataError(
             f"the held-out documents (data.eval_fraction={cfg.eval_fraction}, data.seed={cfg.seed}) do not fill a "
-            f"single sequence of data.context_length={cfg.context_length} tokens; add text, raise data.eval_fraction "
+            f"single sequence of data.context_length={cfg.context_length} tokens; add text, raise data.eval_fraction, "
+            "hold out the end of every document (data.eval_split: tail), give held-out files in data.eval_paths, "
             "or lower data.context_length"
         )
     if len(sequences) < wanted:

@@ -4,7 +4,7 @@ CLI module only registers it)."""
 import argparse
 import sys
 
-from ..cli_flags import corpus_pass_flags, settings_from, token_progress
+from ..cli_flags import corpus_pass_flags, reading_of, settings_from, token_progress
 
 __all__ = ["add_export", "run_export"]
 
@@ -17,7 +17,9 @@ def run_export(args: argparse.Namespace) -> int:
     from .expressible import ExportError
 
     if args.to != "delphi":
-        given = [flag for flag, value in (("--corpus", args.corpus), ("--layers", args.layers)) if value]
+        flags = (("--corpus", args.corpus), ("--layers", args.layers), ("--add-bos", args.add_bos),
+                 ("--document-marker", args.document_marker), ("--document-separator", args.document_separator))
+        given = [flag for flag, value in flags if value]
         if given:
             verb = "applies" if len(given) == 1 else "apply"  # "--corpus applies", "--corpus and --layers apply"
             raise ExportError(f"{' and '.join(given)} only {verb} to --to delphi (a {args.to} export holds every layer's "
@@ -36,6 +38,7 @@ def run_export(args: argparse.Namespace) -> int:
     written = delphi_cache_from_folder(
         args.model_dir, args.output, parse_corpora(args.corpus), settings, base_model=args.base_model,
         device=device, progress=None if args.no_progress else token_progress("export"),
+        reading=reading_of(args, args.model_dir),
     )
     if not args.no_progress:
         print(file=sys.stderr)

@@ -97,9 +97,11 @@ def delphi_cache_from_folder(
     base_model: str | None = None,
     device: "str | torch.device" = "cpu",
     progress: Callable[[int, int], None] | None = None,
+    reading=None,
 ) -> list[Path]:
     """`expertize export MODEL_DIR --to delphi OUTPUT`: one inspection pass of the folder over `corpora` ({name:
-    path}) with `settings` (an `InspectionSettings`; every activation is collected), written as a delphi cache."""
+    path}) with `settings` (an `InspectionSettings`; every activation is collected), written as a delphi cache.
+    `reading` (data/run_reading.TextReading): how the corpora are read; default: as the folder's run read its text."""
     import dataclasses
 
     from ..inspection import inspect_folder
@@ -107,6 +109,6 @@ def delphi_cache_from_folder(
     target = delphi_target(model_dir, base_model)  # refused before the pass, not after it
     settings = dataclasses.replace(settings, collect_locations=True)
     with staged_output(output) as staging:
-        stats = inspect_folder(model_dir, corpora, settings, device=device, progress=progress)
+        stats = inspect_folder(model_dir, corpora, settings, device=device, progress=progress, reading=reading)
         export_delphi(stats, staging, **target)
     return sorted(Path(output).iterdir())

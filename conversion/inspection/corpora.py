@@ -1,8 +1,9 @@
 """Named corpora for `expertize inspect`: `--corpus code=PATH` -> fixed-length token sequences per name.
 
 A corpus is a UTF-8 `.txt` file (one document per line, or blocks separated by blank lines: detected from the file)
-or a `.jsonl` file with a "text" field per line. Documents are read, tokenized, EOS-separated and packed exactly as
-the training data (conversion/data/text.py, unshuffled), so every token is real text and no padding is needed.
+or a `.jsonl` file with a "text" field per line. Documents are read, tokenized, separated and packed exactly as
+the training data (conversion/data/text.py, unshuffled; with the run's reading, data/run_reading.py), so every token
+is real text and no padding is needed.
 """
 
 import itertools
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..data.documents import corpus_config, corpus_file_problem
+from ..data.run_reading import TextReading
 from ..data.text import DataError, iter_documents, pack_sequences
 from ..recipe.data import DataConfig
 from ..errors import ExpertizeError
@@ -51,14 +53,18 @@ def _data_config(path: str, context_length: int, key: str = "data.paths") -> Dat
     return corpus_config(path, context_length, key=key)  # the one corpus reader of every command (data/documents.py)
 
 
-def corpus_sequences(name: str, path: str, tokenizer, tokens: int, context_length: int) -> torch.LongTensor:
-    """The first ceil(tokens / context_length) packed sequences of a corpus: (S, context_length).
+def corpus_sequences(name: str, path: str, tokenizer, tokens: int, context_length: int,
+                     reading: "TextReading | None" = None) -> torch.LongTensor:
+    """The first ceil(tokens / context_length) packed sequences of a corpus: (S, context_length), read as `reading`
+    says (data/run_reading.py: the run's BOS, document marker and separator; None: the defaults).
 
     Raises InspectionError for a corpus with no text, or too little text for a single sequence.
     """
     wanted = math.ceil(tokens / context_length)
     try:
         cfg = _data_config(path, context_length, key=f"--corpus {name}")
+        if reading is not None:
+            cfg = reading.apply(cfg)
         docs = iter_documents(cfg, key=f"--corpus {name}")
         first = next(docs, None)
         if first is None:

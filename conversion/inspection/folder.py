@@ -10,7 +10,8 @@ import torch
 
 from ..checks import check_context_length, resolve_device
 from ..publishing.model_folder import check_model_folder
-from .corpora import InspectionError, corpus_sequences
+from ..data.run_reading import TextReading, warn_if_unread
+from .corpora import InspectionError, _data_config, corpus_sequences
 from .output import model_identity
 from .stats import InspectionSettings, InspectionStats, collect_stats
 
@@ -81,8 +82,11 @@ def inspect_folder(
     settings: InspectionSettings | None = None,
     device: "str | torch.device" = "cpu",
     progress: Callable[[int, int], None] | None = None,
+    reading: TextReading | None = None,
 ) -> InspectionStats:
-    """Load an expertize model folder and measure its sparse layers over the named corpora {name: path}."""
+    """Load an expertize model folder and measure its sparse layers over the named corpora {name: path}, read as
+    `reading` says (default: as the folder's run read its text; a warning when the model never saw the tokens the
+    reading inserts)."""
     settings = settings or InspectionSettings()
     if not corpora:
         raise InspectionError("give at least one corpus: --corpus NAME=PATH (a .txt or .jsonl file)")
@@ -95,11 +99,15 @@ def inspect_folder(
         missing = sorted(set(settings.layers) - set(layers))
         if missing:
             raise InspectionError(f"layer(s) {missing} are not sparse layers of {model_dir}; choose from {layers}")
+    reading = reading or TextReading.of_folder(model_dir)
     sequences = {
-        name: corpus_sequences(name, str(path), tokenizer, settings.tokens, settings.context_length)
+        name: corpus_sequences(name, str(path), tokenizer, settings.tokens, settings.context_length, reading)
         for name, path in corpora.items()
     }
     model = _load_model(model_dir, device)
+    for name, path in corpora.items():
+        cfg = reading.apply(_data_config(str(path), settings.context_length))
+        warn_if_unread(reading, cfg, tokenizer, model, sequences[name], f"--corpus {name}")
     stats = collect_stats(
         model, sequences, settings, token_texts(tokenizer), model_name=Path(model_dir).name, progress=progress
     )
@@ -108,12 +116,16 @@ def inspect_folder(
 
 
 def prompt_ids(
-    tokenizer, prompt: str, max_positions: int | None = None, log: Callable[[str], None] | None = None
+    tokenizer, prompt: str, max_positions: int | None = None, log: Callable[[str], None] | None = None,
+    bos: bool | None = None,
 ) -> torch.LongTensor:
-    """(1, T) ids of a prompt, with BOS when the tokenizer has one (as packed training sequences start); cut to the
-    model's `max_positions` (its position embedding has no row beyond them), saying so through `log`."""
+    """(1, T) ids of a prompt, with BOS when `bos` (None: when the tokenizer has one; the inspect command passes its
+    run's reading, `TextReading.prompt_bos`, as packed training sequences start); cut to the model's `max_positions`
+    (its position embedding has no row beyond them), saying so through `log`."""
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    if tokenizer.bos_token_id is not None:
+    if bos is None:
+        bos = tokenizer.bos_token_id is not None
+    if bos and tokenizer.bos_token_id is not None:
         ids = [tokenizer.bos_token_id] + ids
     if not ids:
         raise InspectionError("--prompt gives no tokens; give some text")

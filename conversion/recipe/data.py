@@ -9,11 +9,14 @@ from typing import Any
 
 from ..data.documents import file_format, resolve_paths
 
-__all__ = ["DOCUMENT_SEPARATORS", "DataConfig", "LOCAL_SOURCES", "SOURCES", "token_budget_to_sequences"]
+__all__ = ["DOCUMENT_MARKERS", "DOCUMENT_SEPARATORS", "DataConfig", "EVAL_SPLITS", "LOCAL_SOURCES", "SOURCES",
+           "token_budget_to_sequences"]
 
 SOURCES = ("text", "jsonl", "parquet", "hub")
 LOCAL_SOURCES = ("text", "jsonl", "parquet")
 DOCUMENT_SEPARATORS = ("line", "blank_line", "file")
+DOCUMENT_MARKERS = ("eos", "bos")
+EVAL_SPLITS = ("documents", "tail")
 
 
 @dataclass
@@ -46,6 +49,12 @@ class DataConfig:
     """source=text: "line" (one document per non-empty line), "blank_line" (paragraphs separated by blank lines) or
     "file" (each file is one document)."""
 
+    document_marker: str = "eos"
+    """The token that marks where documents meet, as the base model was trained: "eos" (the tokenizer's EOS after
+    every document: GPT-2, Pythia and most bases) or "bos" (the tokenizer's BOS before every document and no EOS:
+    llama2.c's models such as stories260k). A base trained on one raw stream reads each file as one document:
+    document_separator: file, add_bos: false (and eval_split: tail to hold out each file's end)."""
+
     context_length: int = 128
     """T: tokens per packed sequence, BOS included."""
 
@@ -58,6 +67,12 @@ class DataConfig:
     eval_fraction: float = 0.05
     """Fraction of documents held out for evaluation, chosen by a stable hash of (seed, document index), so train
     and eval never share a document. Not used when `eval_paths` is given."""
+
+    eval_split: str = "documents"
+    """How `eval_fraction` holds text out: "documents" (whole documents, by the stable hash above) or "tail" (the
+    last eval_fraction of every document, by characters: the split of a base trained on a raw stream, e.g. the
+    first 90 % / last 10 % of a file as nanoGPT and the shipped tiny-gpt2-shakespeare were trained). Not used when
+    `eval_paths` is given."""
 
     eval_paths: list[str] = field(default_factory=list)
     """Held-out files, read like `paths` (local sources): when given, the run evaluates on their documents and trains
@@ -129,6 +144,11 @@ class DataConfig:
             raise ValueError(
                 f"data.document_separator must be one of {list(DOCUMENT_SEPARATORS)}, got {self.document_separator!r}"
             )
+        if self.document_marker not in DOCUMENT_MARKERS:
+            raise ValueError(f"data.document_marker must be one of {list(DOCUMENT_MARKERS)} (the token the base saw "
+                             f"between documents), got {self.document_marker!r}")
+        if self.eval_split not in EVAL_SPLITS:
+            raise ValueError(f"data.eval_split must be one of {list(EVAL_SPLITS)}, got {self.eval_split!r}")
         if not self.text_column:
             raise ValueError("data.text_column must name the column holding the text, got an empty value")
         if not _is_int(self.context_length) or self.context_length < 2:

@@ -15,14 +15,15 @@ __all__ = ["split_corpora", "specialize_folder"]
 def split_corpora(
     corpora: Mapping[str, str], tokenizer, fit_tokens: int, eval_tokens: int, context_length: int,
     eval_fraction: float = 0.3, seed: int = 0, eval_corpora: Mapping[str, str] | None = None,
-    document_tokens: int | None = None,
+    document_tokens: int | None = None, reading=None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """({domain: (S_fit, T)}, {domain: (S_eval, T)}, {domain: (S_eval, T) document index per token}).
 
     Each corpus's documents are split by seeded hash (splits.py), or, for a domain named in `eval_corpora`, its
     corpus is all fit and that file all eval (an explicit held-out file; a fit document that also appears verbatim
     in it is dropped). Both sides are packed separately, up to fit_tokens / eval_tokens per domain, each document
-    contributing at most `document_tokens` tokens (None: whole documents)."""
+    contributing at most `document_tokens` tokens (None: whole documents), read as `reading` says (its BOS and
+    document marker; data/run_reading.TextReading, None: the defaults)."""
     eval_corpora = dict(eval_corpora or {})
     if len(corpora) < 2:
         raise SpecializationError("give at least two domain corpora: --corpus NAME=PATH, repeated")
@@ -38,9 +39,9 @@ def split_corpora(
             fit_docs = [d for d in read_documents(name, path) if d not in seen]
         else:
             fit_docs, eval_docs = split_documents(read_documents(name, path), seed, eval_fraction)
-        fit[name] = pack_documents(name, fit_docs, tokenizer, fit_tokens, context_length, document_tokens)
+        fit[name] = pack_documents(name, fit_docs, tokenizer, fit_tokens, context_length, document_tokens, reading)
         held[name], documents[name] = pack_with_documents(name, eval_docs, tokenizer, eval_tokens, context_length,
-                                                          document_tokens)
+                                                          document_tokens, reading)
     return fit, held, documents
 
 
@@ -49,13 +50,18 @@ def specialize_folder(
     layer: int | None = None, fit_tokens: int = 32_768, eval_tokens: int = 8_192, context_length: int = 128,
     eval_fraction: float = 0.3, base: str | os.PathLike | None = None, device: "str | torch.device" = "cpu",
     progress: bool = False, eval_corpora: Mapping[str, str] | None = None, document_tokens: int | None = None,
+    reading=None,
 ) -> SpecializationReport:
     """Load an expertize model folder (and the dense `base` model for the probing baseline, when given) and measure
     how its sparse layer specializes over the named corpora {domain: path} (`eval_corpora` {domain: path}: explicit
-    held-out files, see `split_corpora`); `progress`: a bar over its stages."""
+    held-out files, see `split_corpora`); `progress`: a bar over its stages. `reading`: the BOS and document marker
+    of the packing (data/run_reading.TextReading); default: as the folder's run read its text, with a warning when
+    the model never saw the tokens it inserts."""
     from ..checks import check_context_length, resolve_device
     from ..inspection.folder import _load_model, checked_folder
+    from ..data.run_reading import TextReading, warn_if_unread
     from ..progress import stage_bar
+    from ..recipe.data import DataConfig
     from ..surgery.splice import load_base_model
     from .report import STAGES
 
@@ -70,9 +76,13 @@ def specialize_folder(
     config, tokenizer = checked_folder(model_dir)
     check_context_length(context_length, config, setting="--context-length", model=str(model_dir))
     with stage_bar("specialize", len(STAGES) - (base is None), enabled=progress) as stage:
+        reading = reading or TextReading.of_folder(model_dir)
         fit, held, documents = split_corpora(corpora, tokenizer, fit_tokens, eval_tokens, context_length,
-                                             eval_fraction, settings.seed, eval_corpora, document_tokens)
+                                             eval_fraction, settings.seed, eval_corpora, document_tokens, reading)
         model = _load_model(model_dir, device)
+        first = next(iter(held))
+        where = DataConfig(source="hub", name=first, document_separator="line")  # for the message's unit only
+        warn_if_unread(reading, reading.apply(where), tokenizer, model, held[first], f"--corpus {first}")
         base_model = None if base is None else load_base_model(str(base)).to(device).eval()
         special = [i for i in tokenizer.all_special_ids if i is not None]
         return specialize(model, fit, held, special, settings, layer=layer, base_model=base_model, stage=stage,

@@ -58,39 +58,49 @@ def read_documents(name: str, path: str, flag: str = "--corpus") -> list[str]:
 
 
 def pack_documents(
-    name: str, docs: list[str], tokenizer, tokens: int, context_length: int, document_tokens: int | None = None
+    name: str, docs: list[str], tokenizer, tokens: int, context_length: int, document_tokens: int | None = None,
+    reading=None,
 ) -> torch.LongTensor:
     """The first ceil(tokens / context_length) packed sequences of `docs`: (S, T); see `pack_with_documents`."""
-    return pack_with_documents(name, docs, tokenizer, tokens, context_length, document_tokens)[0]
+    return pack_with_documents(name, docs, tokenizer, tokens, context_length, document_tokens, reading)[0]
 
 
 def pack_with_documents(
-    name: str, docs: list[str], tokenizer, tokens: int, context_length: int, document_tokens: int | None = None
+    name: str, docs: list[str], tokenizer, tokens: int, context_length: int, document_tokens: int | None = None,
+    reading=None,
 ) -> tuple[torch.LongTensor, torch.LongTensor]:
     """The first ceil(tokens / context_length) packed sequences of `docs` (in order, unshuffled), packed as upcycle
-    packs them (`data.text`: EOS after every document, BOS first when the tokenizer has one), and which document
-    each token comes from: ((S, T) token ids, (S, T) document index into `docs`, -1 on BOS).
+    packs them (`data.text`: EOS after every document, or BOS before it, and BOS first in every sequence, as
+    `reading` says: data/run_reading.TextReading, None: the defaults), and which document each token comes from:
+    ((S, T) token ids, (S, T) document index into `docs`, -1 on a sequence's leading BOS).
 
     `document_tokens`: each document contributes at most its first that many tokens (and its EOS), so a budget
     spreads over more documents (None: whole documents). Sequences are packed within one domain and one side of
     the split, so every context has one domain label; the document index is what the confidence intervals resample
     (bootstrap.py)."""
-    from ..data.text import _document_tokens, _pack, resolve_add_bos
+    from ..data.run_reading import TextReading
+    from ..data.text import _document_tokens, _pack, inserted_token_id, resolve_add_bos
 
     if document_tokens is not None and document_tokens < 1:
         raise SpecializationError(f"document tokens must be at least 1, got {document_tokens}; or give None (whole "
                                   "documents)")
-    # The documents are already in memory: a hub-source config is only read for context_length and add_bos.
-    cfg = DataConfig(source="hub", name="in-memory", paths=[], context_length=context_length)
+    # The documents are already in memory: a hub-source config is only read for the reading and context_length.
+    cfg = (reading or TextReading()).apply(DataConfig(source="hub", name="in-memory", paths=[],
+                                                      context_length=context_length))
     bos = tokenizer.bos_token_id if resolve_add_bos(cfg, tokenizer) else None
-    eos = tokenizer.eos_token_id
+    marker = inserted_token_id(cfg.document_marker, tokenizer)
     content = context_length - (bos is not None)
     lengths: list[int] = []
 
     def capped() -> Iterator[list[int]]:
-        for ids in _document_tokens(docs, tokenizer):
-            if document_tokens is not None and len(ids) - (eos is not None) > document_tokens:
-                ids = ids[:document_tokens] + ([eos] if eos is not None else [])
+        for ids in _document_tokens(docs, tokenizer, cfg.document_marker):
+            if document_tokens is not None and len(ids) - (marker is not None) > document_tokens:
+                if marker is None:
+                    ids = ids[:document_tokens]
+                elif cfg.document_marker == "bos":  # [BOS] + the first document_tokens tokens
+                    ids = ids[: document_tokens + 1]
+                else:  # the first document_tokens tokens + [EOS]
+                    ids = ids[:document_tokens] + [marker]
             lengths.append(len(ids))
             yield ids
 
