@@ -128,7 +128,7 @@ def resolve_lr(spec: str, tree: dict, kind: str) -> float:
         divisor = float(spec.split("/", 1)[1]) if "/" in spec else 1.0
         steps = tree["data"]["train_tokens"] // tree["train"]["tokens_per_step"]
         factor = LAYER_KINDS[kind][0].auto_lr_factor
-        return rule_lr(steps, tree["train"]["tokens_per_step"], factor) / divisor
+        return rule_lr(steps, factor) / divisor
     return float(spec)
 
 

@@ -251,8 +251,9 @@ def init_layers(tree: dict, base, layer_ids: list[int]) -> dict:
     layers = {}
     for i in layer_ids:
         layer = build_sparse_layer(spec)
-        init_moe_from_dense(layer, blocks[i].mlp, "split", clustering=recipe.layer.init_clustering, noise_std=None,
-                            seed=recipe.train.seed + i, allow_activation_change=True)
+        init_moe_from_dense(layer, blocks[i].mlp, "split", family=base.config.model_type,
+                            clustering=recipe.layer.init_clustering, noise_std=None, seed=recipe.train.seed + i,
+                            allow_activation_change=True)
         layers[i] = layer.eval()
     return layers
 

@@ -57,7 +57,7 @@ from torch.profiler import ProfilerActivity, profile
 from _timing import round_robin_times, saved_megabytes
 
 from expertize.modeling import TranscoderLayer, TranscoderSpec
-from expertize.modeling.sparse_base import sparse_rows_sum
+from expertize.modeling.sparse_kernels import sparse_rows_sum
 
 GRADIENTS = ("x", "W_enc", "b_enc", "W_dec", "b_dec")
 RTOL = 1e-5

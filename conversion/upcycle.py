@@ -233,7 +233,7 @@ def build_layers(plan: RunPlan, base, accelerator) -> Trained:
     blocks = decoder_blocks(base)
     for i, layer in trained.layers.items():
         init_moe_from_dense(
-            layer, blocks[i].mlp, recipe.layer.init,
+            layer, blocks[i].mlp, recipe.layer.init, family=base.config.model_type,
             clustering=recipe.layer.init_clustering, noise_std=recipe.layer.init_noise, seed=recipe.train.seed + i,
             # The recipe states the activation (auto keeps the MLP's), so a switch to ReLU here is intended.
             allow_activation_change=True,

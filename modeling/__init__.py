@@ -8,8 +8,10 @@ from .configuration_expertize import (
     ExpertizeLlamaConfig,
     ExpertizeMistralConfig,
     ExpertizeOlmo2Config,
+    ExpertizePhi3Config,
     ExpertizeQwen2Config,
     ExpertizeQwen3Config,
+    ExpertizeStableLmConfig,
     MlpShape,
 )
 from .modeling_expertize import FAMILIES, ExpertizeModelMixin, Family, register_auto_classes
@@ -26,8 +28,10 @@ from .monet import (
 from .mumoe import MuMoECPSpec, MuMoELayer, MuMoESpec, MuMoETRSpec, entmax15
 from .mxd import MxdLayer, MxdSpec
 from .routed_neurons import RoutedNeuronsLayer, RoutedNeuronsSpec
-from .sparse_base import SparseCode, SparseLayer, SparseSpec, TopKCoder
+from .sparse_base import SparseLayer, TopKCoder
+from .sparse_code import SparseCode
 from .sparse_layers import LAYER_KINDS, build_sparse_layer, spec_from_dict
+from .sparse_spec import SparseSpec
 from .transcoder import SkipTranscoderSpec, TranscoderLayer, TranscoderSpec
 
 register_auto_classes()
@@ -43,8 +47,10 @@ __all__ = [
     "ExpertizeMistralConfig",
     "ExpertizeModelMixin",
     "ExpertizeOlmo2Config",
+    "ExpertizePhi3Config",
     "ExpertizeQwen2Config",
     "ExpertizeQwen3Config",
+    "ExpertizeStableLmConfig",
     "Family",
     "MlpShape",
     "MoeXLayer",

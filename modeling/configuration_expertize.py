@@ -16,8 +16,10 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     Olmo2Config,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    StableLmConfig,
 )
 
 # Every bundle file must be a *direct* relative import of both entry files: transformers before PR #46022 (all of 4.x)
@@ -27,8 +29,11 @@ from .monet import MonetSpec  # noqa: F401
 from .mumoe import MuMoESpec  # noqa: F401
 from .mxd import MxdSpec  # noqa: F401
 from .routed_neurons import RoutedNeuronsSpec  # noqa: F401
-from .sparse_base import SparseSpec
+from .sparse_base import SparseLayer  # noqa: F401
+from .sparse_code import SparseCode  # noqa: F401
+from .sparse_kernels import sparse_rows_sum  # noqa: F401
 from .sparse_layers import spec_from_dict
+from .sparse_spec import SparseSpec
 from .transcoder import TranscoderSpec  # noqa: F401
 
 
@@ -186,6 +191,23 @@ class ExpertizeOlmo2Config(_SparseLayersConfigMixin, Olmo2Config):
 
     def __init__(self, sparse_layers: dict | None = None, **kwargs):
         _init_config(self, Olmo2Config, sparse_layers, kwargs)
+
+
+class ExpertizePhi3Config(_SparseLayersConfigMixin, Phi3Config):
+    """Phi-3: the MLP is gated under Llama's config names (its gate and up projections are one fused module, which
+    the shape does not see: d_hidden is `intermediate_size`, the width of each half)."""
+
+    model_type = "expertize_phi3"
+
+    def __init__(self, sparse_layers: dict | None = None, **kwargs):
+        _init_config(self, Phi3Config, sparse_layers, kwargs)
+
+
+class ExpertizeStableLmConfig(_SparseLayersConfigMixin, StableLmConfig):
+    model_type = "expertize_stablelm"
+
+    def __init__(self, sparse_layers: dict | None = None, **kwargs):
+        _init_config(self, StableLmConfig, sparse_layers, kwargs)
 
 
 class _GemmaMlpShape:

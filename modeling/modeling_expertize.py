@@ -31,11 +31,15 @@ from transformers import (
     MistralModel,
     Olmo2ForCausalLM,
     Olmo2Model,
+    Phi3ForCausalLM,
+    Phi3Model,
     PreTrainedModel,
     Qwen2ForCausalLM,
     Qwen2Model,
     Qwen3ForCausalLM,
     Qwen3Model,
+    StableLmForCausalLM,
+    StableLmModel,
 )
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
@@ -49,8 +53,10 @@ from .configuration_expertize import (
     ExpertizeLlamaConfig,
     ExpertizeMistralConfig,
     ExpertizeOlmo2Config,
+    ExpertizePhi3Config,
     ExpertizeQwen2Config,
     ExpertizeQwen3Config,
+    ExpertizeStableLmConfig,
 )
 from .moe_x import MoeXLayer  # noqa: F401
 from .monet import MonetLayer  # noqa: F401
@@ -58,7 +64,10 @@ from .mumoe import MuMoELayer  # noqa: F401
 from .mxd import MxdLayer  # noqa: F401
 from .routed_neurons import RoutedNeuronsLayer  # noqa: F401
 from .sparse_base import SparseLayer
+from .sparse_code import SparseCode  # noqa: F401
+from .sparse_kernels import sparse_rows_sum  # noqa: F401
 from .sparse_layers import build_sparse_layer
+from .sparse_spec import SparseSpec  # noqa: F401
 from .transcoder import TranscoderLayer  # noqa: F401
 
 
@@ -431,6 +440,48 @@ class ExpertizeOlmo2ForCausalLM(ExpertizeCausalLMMixin, Olmo2ForCausalLM):
         self._adopt_base_model()
 
 
+# -- Phi-3 (Llama's block; fused qkv_proj and gate_up_proj inside the attention and the MLP) and StableLM (Llama's
+#    names, LayerNorms) ---------------------------------------------------------------------------------------------
+
+
+class ExpertizePhi3Model(ExpertizeBaseModelMixin, Phi3Model):
+    config_class = ExpertizePhi3Config
+    _blocks_path = "layers"
+
+    def __init__(self, config: ExpertizePhi3Config):
+        super().__init__(config)
+        self._install_sparse_layers()
+
+
+class ExpertizePhi3ForCausalLM(ExpertizeCausalLMMixin, Phi3ForCausalLM):
+    config_class = ExpertizePhi3Config
+    _blocks_path = "model.layers"
+    _base_class, _base_attr = ExpertizePhi3Model, "model"
+
+    def __init__(self, config: ExpertizePhi3Config):
+        super().__init__(config)
+        self._adopt_base_model()
+
+
+class ExpertizeStableLmModel(ExpertizeBaseModelMixin, StableLmModel):
+    config_class = ExpertizeStableLmConfig
+    _blocks_path = "layers"
+
+    def __init__(self, config: ExpertizeStableLmConfig):
+        super().__init__(config)
+        self._install_sparse_layers()
+
+
+class ExpertizeStableLmForCausalLM(ExpertizeCausalLMMixin, StableLmForCausalLM):
+    config_class = ExpertizeStableLmConfig
+    _blocks_path = "model.layers"
+    _base_class, _base_attr = ExpertizeStableLmModel, "model"
+
+    def __init__(self, config: ExpertizeStableLmConfig):
+        super().__init__(config)
+        self._adopt_base_model()
+
+
 # -- Gemma 2 and Gemma 3 text (`model.layers[i].mlp` between `pre_feedforward_layernorm` and
 #    `post_feedforward_layernorm`; scaled embeddings, soft-capped logits, RMSNorm scaling by 1 + weight) ------------
 
@@ -506,6 +557,8 @@ FAMILIES: dict[str, Family] = {
     "olmo2": Family(ExpertizeOlmo2Config, ExpertizeOlmo2Model, ExpertizeOlmo2ForCausalLM),
     "gemma2": Family(ExpertizeGemma2Config, ExpertizeGemma2Model, ExpertizeGemma2ForCausalLM),
     "gemma3_text": Family(ExpertizeGemma3TextConfig, ExpertizeGemma3TextModel, ExpertizeGemma3ForCausalLM),
+    "phi3": Family(ExpertizePhi3Config, ExpertizePhi3Model, ExpertizePhi3ForCausalLM),
+    "stablelm": Family(ExpertizeStableLmConfig, ExpertizeStableLmModel, ExpertizeStableLmForCausalLM),
 }
 
 for _config_cls, _base_cls, _causal_cls in FAMILIES.values():

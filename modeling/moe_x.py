@@ -55,20 +55,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .sparse_base import (
-    ACTIVATIONS,
-    SparseCode,
-    SparseLayer,
-    SparseSpec,
-    _require_bool,
-    _require_choice,
-    _require_int,
-    arxiv_bibtex,
-    canonical_activation,
-    linear_bound,
-    sparse_rows_sum,
-    uniform_,
-)
+from .sparse_base import ACTIVATIONS, SparseLayer, canonical_activation, linear_bound, uniform_
+from .sparse_code import SparseCode
+from .sparse_kernels import sparse_rows_sum
+from .sparse_spec import SparseSpec, _require_bool, _require_choice, _require_int, arxiv_bibtex
 
 ROUTER_EPS = 1e-6
 """Added to σ_h² (std) or σ_h (var_literal): a zero input (padding) would otherwise give 0/0."""

@@ -58,18 +58,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .sparse_base import (
-    ACTIVATIONS,
-    SparseCode,
-    SparseLayer,
-    SparseSpec,
-    _require_choice,
-    _require_int,
-    arxiv_bibtex,
-    canonical_activation,
-    linear_bound,
-    uniform_,
-)
+from .sparse_base import ACTIVATIONS, SparseLayer, canonical_activation, linear_bound, uniform_
+from .sparse_code import SparseCode
+from .sparse_spec import SparseSpec, _require_choice, _require_int, arxiv_bibtex
 
 UNIFORMITY_EPS = 1e-6
 """ε inside the uniformity loss's log: a sub-expert no token selected has batch-mean gate 0."""

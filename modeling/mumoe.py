@@ -53,19 +53,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .sparse_base import (
-    ACTIVATIONS,
-    SparseCode,
-    SparseLayer,
-    SparseSpec,
-    _require_bool,
-    _require_choice,
-    _require_int,
-    arxiv_bibtex,
-    canonical_activation,
-    linear_bound,
-    uniform_,
-)
+from .sparse_base import ACTIVATIONS, SparseLayer, canonical_activation, linear_bound, uniform_
+from .sparse_code import SparseCode
+from .sparse_spec import SparseSpec, _require_bool, _require_choice, _require_int, arxiv_bibtex
 
 GATE_NORM_EPS = 1e-5
 """eps of the parameter-free LayerNorm on the gate logits (torch's default, as in the reference code)."""

@@ -21,22 +21,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .sparse_base import (
-    ACTIVATIONS,
-    SparseCode,
-    SparseLayer,
-    SparseSpec,
-    LinearReluTopK,
-    _require_bool,
-    _require_choice,
-    _require_int,
-    arxiv_bibtex,
-    canonical_activation,
-    linear_bound,
-    sparse_rows_sum,
-    uniform_,
-    dead_relu_topk,
-)
+from .sparse_base import ACTIVATIONS, SparseLayer, canonical_activation, linear_bound, uniform_
+from .sparse_code import SparseCode
+from .sparse_kernels import LinearReluTopK, dead_relu_topk, sparse_rows_sum
+from .sparse_spec import SparseSpec, _require_bool, _require_choice, _require_int, arxiv_bibtex
 
 
 @dataclasses.dataclass

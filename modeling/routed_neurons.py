@@ -29,22 +29,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .sparse_base import (
-    ACTIVATIONS,
-    CodeHook,
-    GatheredDot,
-    SparseCode,
-    SparseLayer,
-    SparseSpec,
-    _require_bool,
-    _require_choice,
-    _require_int,
-    arxiv_bibtex,
-    canonical_activation,
-    linear_bound,
-    sparse_rows_sum,
-    uniform_,
-)
+from .sparse_base import ACTIVATIONS, SparseLayer, canonical_activation, linear_bound, uniform_
+from .sparse_code import CodeHook, SparseCode
+from .sparse_kernels import GatheredDot, sparse_rows_sum
+from .sparse_spec import SparseSpec, _require_bool, _require_choice, _require_int, arxiv_bibtex
 
 @dataclasses.dataclass
 class RoutedNeuronsSpec(SparseSpec):

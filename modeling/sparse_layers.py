@@ -7,7 +7,8 @@ from .monet import MonetHDLayer, MonetHDSpec, MonetVDLayer, MonetVDSpec
 from .mumoe import MuMoECPSpec, MuMoELayer, MuMoETRSpec
 from .mxd import MxdLayer, MxdSpec
 from .routed_neurons import RoutedNeuronsLayer, RoutedNeuronsSpec
-from .sparse_base import SparseLayer, SparseSpec
+from .sparse_base import SparseLayer
+from .sparse_spec import SparseSpec
 from .transcoder import SkipTranscoderSpec, TranscoderLayer, TranscoderSpec
 
 LAYER_KINDS: dict[str, tuple[type[SparseSpec], type[SparseLayer]]] = {

@@ -15,20 +15,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .sparse_base import (
-    SparseCode,
-    SparseLayer,
-    SparseSpec,
-    TopKCoder,
-    _require_bool,
-    _require_int,
-    arxiv_bibtex,
-    linear_bound,
-    LinearReluTopK,
-    dead_relu_topk,
-    sparse_rows_sum,
-    uniform_,
-)
+from .sparse_base import SparseLayer, TopKCoder, linear_bound, uniform_
+from .sparse_code import SparseCode
+from .sparse_kernels import LinearReluTopK, dead_relu_topk, sparse_rows_sum
+from .sparse_spec import SparseSpec, _require_bool, _require_int, arxiv_bibtex
 
 
 @dataclasses.dataclass

@@ -157,6 +157,14 @@ ROWS: dict[str, FamilyRow] = {
                   _llama_like("hidden_activation", head_dim=True), **_GEMMA,
                   tiny=dict(sliding_window=4, sliding_window_pattern=2),  # every other layer global, as Gemma 2
                   recipe="gemma3-1b-transcoders"),
+        # Phi-3: Llama's block and names, with one fused gate_up_proj in the MLP (gate half first) and a fused
+        # qkv_proj; its default pad id (32000) lies outside a tiny vocabulary, so the tiny configs have none.
+        FamilyRow("phi3", "Phi-3", _native("Phi3"), _llama_like(pad_token_id=None), "silu", glu=True, bias=False,
+                  **_SEQUENTIAL),
+        # StableLM: Llama's names and MLP, LayerNorms (with biases) before attention and MLP and at the end; a quarter
+        # of each head rotated, as GPT-NeoX, hence two heads of 16 for the tester's dynamic RoPE.
+        FamilyRow("stablelm", "StableLM", _native("StableLm"), _llama_like(), "silu", glu=True, bias=False,
+                  **_SEQUENTIAL, tester=dict(num_attention_heads=2)),
     ]
 }
 

@@ -9,7 +9,7 @@ import torch
 
 from expertize.conversion.evaluation.evaluate import evaluate_sparse_layers
 from expertize.conversion.inspection import InspectionSettings, collect_stats, prompt_view
-from expertize.conversion.publishing.card import render_model_card
+from expertize.conversion.publishing.card import CardInputs, render_model_card
 from expertize.conversion.recipe import EvalConfig, TrainConfig
 from expertize.conversion.surgery.dense_init import layer_from_dense
 from expertize.conversion.surgery.families import decoder_blocks
@@ -26,7 +26,7 @@ def _split_moe_x():
     """A tiny GPT-2 (GELU MLPs) and a MoE-X split from its layer-1 MLP: 4 experts, K = 2, the MLP's GELU kept."""
     torch.manual_seed(0)
     base = tiny_base_model("gpt2").eval()
-    layer = layer_from_dense("moe_x", decoder_blocks(base)[LAYER].mlp, "split", 4, k=2).eval()
+    layer = layer_from_dense("moe_x", decoder_blocks(base)[LAYER].mlp, "split", 4, k=2, family="gpt2").eval()
     return base, layer
 
 
@@ -100,8 +100,8 @@ def test_a_gelu_moe_x_code_is_counted_alike_by_every_reader(tmp_path):
     assert record["l0"] == truth
 
     # The card names what the code indexes: hidden units (of 4 experts), not "experts".
-    card = str(render_model_card(tmp_path, base_model="gpt2", layers={LAYER: layer.spec.to_dict()},
-                                 recipe_summary=None, metrics=metrics))
+    card = str(render_model_card(tmp_path, CardInputs(base_model="gpt2", layers={LAYER: layer.spec.to_dict()},
+                                                      recipe_summary=None, metrics=metrics)))
     num_units = layer.num_units
     assert f"/ {num_units} hidden units" in card and "mean number of active hidden units per token" in card
     assert "K = 2 of 4 experts active per token" in card  # routing is over experts

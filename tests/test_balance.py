@@ -15,7 +15,7 @@ from expertize.conversion.training.auxk import fired_units
 from expertize.conversion.training.balance import SelectionBalancer
 from expertize.conversion.training.resample import Resampler
 from expertize.modeling import build_sparse_layer
-from expertize.modeling.sparse_base import LinearReluTopK, relu_topk
+from expertize.modeling.sparse_kernels import LinearReluTopK, relu_topk
 from tests.conftest import D_MODEL, check_remote_roundtrip, tiny_base_model
 from tests.kinds import tiny_spec
 from tests.test_dead_units import TOKENS, _cfg, _train
@@ -299,7 +299,7 @@ def test_a_run_built_to_collapse_warns_in_the_summary_metrics_variants_and_card(
 def test_biased_choice_without_pre_equals_relu_topk(case):
     # The cheaper path (`need_pre=False`: no AuxK this step) chooses the same positive units with the same values as
     # relu_topk over the materialized pre-activations, and its gradients are the same.
-    from expertize.modeling.sparse_base import LinearReluTopK, relu_topk
+    from expertize.modeling.sparse_kernels import LinearReluTopK, relu_topk
 
     torch.manual_seed(0)
     T, I, N, K = 64, 16, 96, 8

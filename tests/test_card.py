@@ -6,10 +6,11 @@ import pytest
 import yaml
 from huggingface_hub import ModelCard
 
-from expertize.conversion.publishing.card import CITATIONS, format_count, format_number, format_percent, write_model_card
 from expertize.conversion.evaluation.reading import quality_verdict
+from expertize.conversion.publishing.card import CardInputs, write_model_card
+from expertize.conversion.publishing.formats import format_count, format_number, format_percent
 from expertize.conversion.publishing.metrics_schema import Metrics
-from expertize.modeling import MxdLayer, MxdSpec, TranscoderSpec
+from expertize.modeling import MxdLayer, MxdSpec, SkipTranscoderSpec, TranscoderSpec
 from tests.conftest import D_HIDDEN, D_MODEL, run_isolated, tiny_base_model, write_json
 
 MXD = {"kind": "mxd", "d_in": 768, "d_out": 768, "d_hidden": 3072, "num_experts": 21490, "k": 32,
@@ -46,7 +47,7 @@ def front_matter(text: str) -> dict:
 
 def write(model_dir, **kwargs):
     args = dict(base_model="openai-community/gpt2", layers={8: MXD}, recipe_summary=RECIPE, metrics=METRICS)
-    return write_model_card(model_dir, **{**args, **kwargs})
+    return write_model_card(model_dir, CardInputs(**{**args, **kwargs}))
 
 
 def test_number_formats():
@@ -170,7 +171,7 @@ def test_card_loading_snippet_and_citation(tmp_path):
     assert "layer.code_hook.register_forward_hook" in text
     assert "layer.encode(x)" in text
     assert "with layer.intervene(steer={unit: 10.0}):" in text
-    assert CITATIONS["mxd"] in text
+    assert MxdSpec.citation in text
     assert "arXiv:2505.21364" in text and "Oldfield, James" in text
     assert "2406.11944" not in text and "2501.18823" not in text
     assert "Made with expertize" in text
@@ -182,7 +183,8 @@ def test_mixed_kinds(tmp_path):
         1: {"kind": "transcoder", "d_in": 64, "d_out": 64, "num_latents": 2048, "k": 16},
         2: {"kind": "transcoder", "d_in": 64, "d_out": 64, "num_latents": 2048, "k": 16},
     }
-    path = write_model_card(tmp_path, base_model="/models/tiny", layers=layers, recipe_summary={}, metrics=None)
+    inputs = CardInputs(base_model="/models/tiny", layers=layers, recipe_summary={}, metrics=None)
+    path = write_model_card(tmp_path, inputs)
     card = ModelCard.load(path)
     assert {"transcoder", "skip_transcoder"} <= set(card.data.tags)
     text = path.read_text(encoding="utf-8")
@@ -191,7 +193,7 @@ def test_mixed_kinds(tmp_path):
     n_params = TranscoderSpec(d_in=64, d_out=64, num_latents=2048, k=16).num_parameters()
     assert f"| 1 | `transcoder` | 64 → 64 | 2,048 | 16 | {n_params:,} | — |" in text
     assert "| 3 | `skip_transcoder` | 64 → 64 | 2,048 | 16 | 99 | — |" in text
-    assert CITATIONS["transcoder"] in text and CITATIONS["skip_transcoder"] in text
+    assert TranscoderSpec.citation in text and SkipTranscoderSpec.citation in text
     assert "2505.21364" not in text
     assert "layer = model.transformer_blocks()[1].mlp" in text  # no config.json: the family-agnostic accessor
 
@@ -247,8 +249,8 @@ def test_card_snippets_run_on_a_saved_model(tmp_path, tokenizer):
     spec = MxdSpec(d_in=D_MODEL, d_out=D_MODEL, d_hidden=D_HIDDEN, num_experts=16, k=4, activation="gelu_new")
     model = splice(tiny_base_model("gpt2"), {1: MxdLayer(spec)})
     model_dir = save_model(model, tmp_path / "model", tokenizer=tokenizer)
-    path = write_model_card(model_dir, base_model="tiny-gpt2", layers={1: spec.to_dict()}, recipe_summary={},
-                            metrics=None)
+    inputs = CardInputs(base_model="tiny-gpt2", layers={1: spec.to_dict()}, recipe_summary={}, metrics=None)
+    path = write_model_card(model_dir, inputs)
     blocks = re.findall(r"```python\n(.*?)```", path.read_text(encoding="utf-8"), re.DOTALL)
     assert len(blocks) == 2
     code = "\n".join(blocks).replace('repo = "<user>/tiny-gpt2-mxd-l1"', f"repo = {str(model_dir)!r}")
@@ -311,17 +313,16 @@ def test_local_base_has_no_base_model_metadata(tmp_path):
         tmp_path).read_text(encoding="utf-8")
 
 
-def test_kind_tables_are_read_from_the_spec_classes():
-    """Titles, unit names and citations are declared once, on each kind's spec class."""
-    from expertize.conversion.publishing.card import LAYER_KIND_INFO, KindInfo
+def test_kind_facts_are_read_from_the_spec_classes():
+    """Titles, unit names and citations are declared once, on each kind's spec class, and read when a card renders."""
+    from expertize.conversion.publishing.card import KindInfo, _citation, _kind_info
     from expertize.modeling import LAYER_KINDS
 
-    assert set(CITATIONS) == set(LAYER_KIND_INFO) == set(LAYER_KINDS)
     for kind, (spec_cls, _) in LAYER_KINDS.items():
-        assert CITATIONS[kind] == spec_cls.citation
-        assert LAYER_KIND_INFO[kind] == KindInfo(spec_cls.title, spec_cls.unit_name, spec_cls.units_field,
-                                                 spec_cls.code_unit())
-    assert LAYER_KIND_INFO["mxd"] == KindInfo("Mixture of Decoders (MxD)", "expert", "num_experts", "expert")
-    assert LAYER_KIND_INFO["skip_transcoder"] == KindInfo("skip transcoder", "latent", "num_latents", "latent")
-    assert LAYER_KIND_INFO["moe_x"] == KindInfo("MoE-X", "expert", "num_experts", "hidden unit")
-    assert "oldfield2025mxd" in CITATIONS["mxd"] and "eprint        = {2505.21364}" in CITATIONS["mxd"]
+        assert _citation(kind) == spec_cls.citation and spec_cls.citation
+        assert _kind_info(kind) == KindInfo(spec_cls.title, spec_cls.unit_name, spec_cls.units_field,
+                                            spec_cls.code_unit())
+    assert _kind_info("mxd") == KindInfo("Mixture of Decoders (MxD)", "expert", "num_experts", "expert")
+    assert _kind_info("skip_transcoder") == KindInfo("skip transcoder", "latent", "num_latents", "latent")
+    assert _kind_info("moe_x") == KindInfo("MoE-X", "expert", "num_experts", "hidden unit")
+    assert "oldfield2025mxd" in _citation("mxd") and "eprint        = {2505.21364}" in _citation("mxd")

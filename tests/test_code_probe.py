@@ -7,7 +7,7 @@ import torch
 from expertize.conversion.evaluation.code_probe import CodeProbe, _fvu
 from expertize.conversion.evaluation.health import code_health
 from expertize.modeling import build_sparse_layer
-from expertize.modeling.sparse_base import SparseCode
+from expertize.modeling.sparse_code import SparseCode
 from tests.conftest import D_MODEL
 from tests.kinds import KINDS, randomized, tiny_spec
 

@@ -326,17 +326,19 @@ def test_a_bos_only_spike_changes_neither_the_training_nor_the_reconstruction_me
 
 
 def test_the_card_says_which_positions_the_fvu_covers(tmp_path):
-    from expertize.conversion.publishing.card import render_model_card
+    from expertize.conversion.publishing.card import CardInputs, render_model_card
 
     spec = build_sparse_layer(SPECS["mxd"]).spec.to_dict()
     metrics = {"layers": {"0": {"fvu": 0.1, "l0": 2.0}}, "eval_tokens": 4096,
                "reconstruction_positions": {"exclude_special_positions": True, "excluded_token_ids": [0, 50256],
                                             "tokens": 4064, "excluded_tokens": 32}}
-    card = str(render_model_card(tmp_path, base_model="gpt2", layers={0: spec}, recipe_summary=None, metrics=metrics))
+    card = str(render_model_card(tmp_path, CardInputs(base_model="gpt2", layers={0: spec}, recipe_summary=None,
+                                                      metrics=metrics)))
     assert ("- Positions: these metrics are computed over the 4,064 held-out positions that do not hold a special "
             "token; the 32 positions holding one (token ids 0, 50256") in card
     metrics["reconstruction_positions"] = {"exclude_special_positions": False, "excluded_token_ids": [],
                                            "tokens": 4096, "excluded_tokens": 0}
-    card = str(render_model_card(tmp_path, base_model="gpt2", layers={0: spec}, recipe_summary=None, metrics=metrics))
+    card = str(render_model_card(tmp_path, CardInputs(base_model="gpt2", layers={0: spec}, recipe_summary=None,
+                                                      metrics=metrics)))
     assert "- Positions: these metrics are computed over every held-out position (4,096), special tokens included." \
         in card

@@ -18,7 +18,7 @@ from expertize.conversion.surgery.dense_init import (
 )
 from expertize.conversion.recipe import recipe_from_dict
 from expertize.conversion.recipe.layer_spec import resolve_layer_spec
-from expertize.conversion.surgery.families import mlp_shape
+from expertize.conversion.surgery.families import MlpLayout, mlp_shape
 from expertize.conversion.surgery.splice import splice
 from expertize.modeling import LAYER_KINDS, MlpShape, MoeXLayer, TranscoderSpec, build_sparse_layer
 from tests.conftest import D_HIDDEN, D_MODEL, FAMILY_NAMES, VOCAB, tiny_base_model
@@ -56,7 +56,7 @@ def _x(T: int = 64) -> torch.Tensor:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_dense_mlp_reads_every_family(family):
     mlp = _mlps(family)[0]
-    dense = dense_mlp(mlp)
+    dense = dense_mlp(mlp, family)
     assert dense.shape == (D_MODEL, D_HIDDEN, D_MODEL)
     row = ROWS[family]
     assert (dense.activation, dense.glu, dense.has_bias) == (row.activation, row.glu, row.bias)
@@ -68,7 +68,7 @@ def test_dense_mlp_reads_every_family(family):
 def test_split_with_all_experts_reproduces_the_dense_mlp_exactly(family, num_experts, clustering):
     x = _x()
     for mlp in _mlps(family):
-        layer = moe_x_from_dense(mlp, "split", num_experts, clustering=clustering)
+        layer = moe_x_from_dense(mlp, "split", num_experts, family=family, clustering=clustering)
         assert layer.spec.k == num_experts and layer.spec.gate_scaling == "none"
         assert layer.spec.d_expert == -(-D_HIDDEN // num_experts)  # 37 / 4 -> 10: three zero slots
         with torch.no_grad():
@@ -83,7 +83,7 @@ def test_dense_initialised_splice_gives_the_native_logits(family, kind):
     (Gemma, OLMo-2), and dense_init reads its weights and activation right."""
     model = _model(family)
     blocks = decoder_blocks(model)
-    layers = {i: layer_from_dense(kind, blocks[i].mlp, "split", 4) for i in range(len(blocks))}
+    layers = {i: layer_from_dense(kind, blocks[i].mlp, "split", 4, family=family) for i in range(len(blocks))}
     spliced = splice(model, layers)
     ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -125,8 +125,8 @@ def test_the_recipe_split_docs_upcycle_md_gives_is_the_native_model(family, tmp_
         layers = {}
         for i, block in enumerate(decoder_blocks(model)):
             layers[i] = build_sparse_layer(spec).double()
-            init_moe_from_dense(layers[i], block.mlp, "split", clustering=recipe.layer.init_clustering, seed=i,
-                                allow_activation_change=True)
+            init_moe_from_dense(layers[i], block.mlp, "split", family=family, clustering=recipe.layer.init_clustering,
+                                seed=i, allow_activation_change=True)
         with torch.no_grad():
             ours = splice(model, layers)(ids).logits
         if exact:
@@ -136,9 +136,8 @@ def test_the_recipe_split_docs_upcycle_md_gives_is_the_native_model(family, tmp_
 
 
 def test_split_padding_slots_are_zero():
-    mlp = _mlps("gpt2")[0]
-    dense = dense_mlp(mlp)
-    layer = moe_x_from_dense(mlp, "split", 4)
+    dense = dense_mlp(_mlps("gpt2")[0], "gpt2")
+    layer = moe_x_from_dense(dense, "split", 4)
     groups = partition_neurons(dense, 4)
     assert [len(g) for g in groups] == [10, 9, 9, 9]
     for j, group in enumerate(groups):
@@ -150,7 +149,7 @@ def test_split_padding_slots_are_zero():
 
 def test_split_with_fewer_experts_active_is_a_sparse_approximation():
     mlp = _mlps("gpt_neox")[0]
-    layer = moe_x_from_dense(mlp, "split", 4, k=2)
+    layer = moe_x_from_dense(mlp, "split", 4, k=2, family="gpt_neox")
     x = _x()
     with torch.no_grad():
         assert not torch.allclose(layer(x), mlp(x))
@@ -159,7 +158,7 @@ def test_split_with_fewer_experts_active_is_a_sparse_approximation():
 
 @pytest.mark.parametrize("family", MLP_FORMS)
 def test_partitions_cover_every_neuron_once_and_kmeans_groups_similar_neurons(family):
-    dense = dense_mlp(_mlps(family)[0])
+    dense = dense_mlp(_mlps(family)[0], family)
     rows = torch.nn.functional.normalize(
         dense.w_in if dense.w_up is None else torch.cat([dense.w_in, dense.w_up], dim=1), dim=1
     )
@@ -180,7 +179,7 @@ def test_partitions_cover_every_neuron_once_and_kmeans_groups_similar_neurons(fa
 def test_copy_without_noise_is_exact_but_every_token_ties_onto_the_same_experts(family):
     mlp = _mlps(family)[0]
     x = _x(200)
-    layer = moe_x_from_dense(mlp, "copy", 8, noise_std=0.0)
+    layer = moe_x_from_dense(mlp, "copy", 8, family=family, noise_std=0.0)
     assert layer.spec.d_expert == D_HIDDEN and layer.spec.k == 2
     with torch.no_grad():
         torch.testing.assert_close(layer(x), mlp(x), rtol=1e-12, atol=1e-12)
@@ -192,7 +191,7 @@ def test_copy_without_noise_is_exact_but_every_token_ties_onto_the_same_experts(
 def test_copy_with_noise_spreads_tokens_and_stays_close(family):
     mlp = _mlps(family)[0]
     x = _x(200)
-    layer = moe_x_from_dense(mlp, "copy", 8)  # default noise 1% of std(W_in)
+    layer = moe_x_from_dense(mlp, "copy", 8, family=family)  # default noise 1% of std(W_in)
     with torch.no_grad():
         used = layer.route(x).top_k_index.unique()
         y, ref = layer(x), mlp(x)
@@ -204,31 +203,31 @@ def test_copy_with_noise_spreads_tokens_and_stays_close(family):
 
 def test_activation_switch_is_explicit():
     mlp = _mlps("gpt2")[0]
-    spec = moe_x_spec_for_mlp(mlp, "copy", 4, activation="relu")
+    spec = moe_x_spec_for_mlp(mlp, "copy", 4, family="gpt2", activation="relu")
     with pytest.raises(ValueError, match=r"moe_x.activation='relu' differs from the dense MLP's 'gelu_new'"):
-        init_moe_from_dense(MoeXLayer(spec).double(), mlp, "copy")
-    layer = init_moe_from_dense(MoeXLayer(spec).double(), mlp, "copy", noise_std=0.0, allow_activation_change=True)
-    relu = moe_x_from_dense(mlp, "copy", 4, activation="relu", noise_std=0.0)
+        init_moe_from_dense(MoeXLayer(spec).double(), mlp, "copy", family="gpt2")
+    layer = init_moe_from_dense(MoeXLayer(spec).double(), mlp, "copy", family="gpt2", noise_std=0.0,
+                                allow_activation_change=True)
+    relu = moe_x_from_dense(mlp, "copy", 4, family="gpt2", activation="relu", noise_std=0.0)
     x = _x()
     with torch.no_grad():
         torch.testing.assert_close(layer(x), relu(x))
         assert not torch.allclose(relu(x), mlp(x), atol=1e-3)
-    torch.testing.assert_close(relu.W_enc[2], dense_mlp(mlp).w_in)
+    torch.testing.assert_close(relu.W_enc[2], dense_mlp(mlp, "gpt2").w_in)
 
 
 def test_llama_relu_switch_keeps_the_glu_form():
-    mlp = _mlps("llama")[0]
-    layer = moe_x_from_dense(mlp, "split", 4, activation="relu")
+    dense = dense_mlp(_mlps("llama")[0], "llama")
+    layer = moe_x_from_dense(dense, "split", 4, activation="relu")
     assert layer.spec.expert_glu and layer.spec.activation == "relu"
     x = _x()
-    dense = dense_mlp(mlp)
     relufied = (torch.relu(x @ dense.w_in.T) * (x @ dense.w_up.T)) @ dense.w_out.T  # ReLU-fied gated MLP
     with torch.no_grad():
         torch.testing.assert_close(layer(x), relufied, rtol=1e-12, atol=1e-12)
 
 
 def test_spec_for_mlp_from_module_and_shape():
-    gpt2 = moe_x_spec_for_mlp(_mlps("gpt2")[0], "copy", 8)
+    gpt2 = moe_x_spec_for_mlp(_mlps("gpt2")[0], "copy", 8, family="gpt2")
     fields = (gpt2.d_expert, gpt2.k, gpt2.expert_bias, gpt2.expert_glu, gpt2.activation)
     assert fields == (37, 2, True, False, "gelu_new")
     shape = MlpShape(d_model=64, d_hidden=256, activation="silu", glu=True)
@@ -251,30 +250,55 @@ def test_spec_for_mlp_from_module_and_shape():
     ],
 )
 def test_misfit_layers_are_rejected(method, fields, message):
-    mlp = _mlps("gpt2")[0]
-    spec = moe_x_spec_for_mlp(mlp, method, 4, **fields)
+    dense = dense_mlp(_mlps("gpt2")[0], "gpt2")
+    spec = moe_x_spec_for_mlp(dense, method, 4, **fields)
     with pytest.raises(ValueError, match=message):
-        init_moe_from_dense(MoeXLayer(spec).double(), mlp, method)
+        init_moe_from_dense(MoeXLayer(spec).double(), dense, method)
 
 
 def test_bad_arguments():
-    mlp = _mlps("gpt2")[0]
+    dense = dense_mlp(_mlps("gpt2")[0], "gpt2")
     with pytest.raises(ValueError, match=r"method must be one of \['split', 'copy'\], got 'clone'"):
-        moe_x_from_dense(mlp, "clone")
+        moe_x_from_dense(dense, "clone")
     with pytest.raises(ValueError, match=r"clustering must be one of \['random', 'balanced_kmeans'\]"):
-        moe_x_from_dense(mlp, "split", 4, clustering="spectral")
+        moe_x_from_dense(dense, "split", 4, clustering="spectral")
     with pytest.raises(ValueError, match=r"cannot split 37 hidden neurons into 40 experts"):
-        moe_x_from_dense(mlp, "split", 40)
+        moe_x_from_dense(dense, "split", 40)
     with pytest.raises(ValueError, match=r"noise_std must be >= 0"):
-        moe_x_from_dense(mlp, "copy", 4, noise_std=-1.0)
-    with pytest.raises(ValueError, match=r"cannot read the dense MLP Linear .*supported families' MLPs have the "
-                       r"children c_fc, c_proj; .*gate_proj, up_proj, down_proj"):
+        moe_x_from_dense(dense, "copy", 4, noise_std=-1.0)
+
+
+def test_the_mlp_is_read_by_its_family_row_not_guessed_from_its_children():
+    """dense_mlp reads the layout of the family it is told (families.py's row), so an MLP that does not have that
+    layout is refused by name, and none is guessed: before, the first family layout whose child names the module had
+    was taken, so a fused gate_up_proj MLP (Phi-3), which no row could express, was refused only for lacking the
+    names, and an MLP with another layout's names would have been read with it."""
+    llama, phi3 = _mlps("llama")[0], _mlps("phi3")[0]
+    with pytest.raises(ValueError, match=r"cannot read the dense MLP LlamaMLP as a phi3 MLP: it has no gate_up_proj, "
+                       r"activation_fn \(its children: gate_proj, up_proj, down_proj, act_fn\)"):
+        dense_mlp(llama, "phi3")
+    with pytest.raises(ValueError, match=r"cannot read the dense MLP Phi3MLP as a gpt2 MLP: it has no c_fc, c_proj"):
+        layer_from_dense("moe_x", phi3, "split", 4, family="gpt2")
+    with pytest.raises(ValueError, match=r"reading the dense MLP Linear needs its family: pass "
+                       r"family=model.config.model_type"):
         dense_mlp(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"unsupported architecture 'opt'"):
+        dense_mlp(llama, "opt")
+    # The fused projection's output is [gate | up] (Phi3MLP chunks it so): the gate half is the one under φ.
+    dense, fused = dense_mlp(phi3, "phi3"), phi3.gate_up_proj.weight
+    assert torch.equal(dense.w_in, fused[:D_HIDDEN]) and torch.equal(dense.w_up, fused[D_HIDDEN:])
+
+
+def test_a_fused_layout_names_both_halves():
+    MlpLayout("gate_up_proj", "down_proj", activation="activation_fn", fused_halves=("up", "gate"))  # either order
+    for halves, w_up in ((("gate", "gate"), None), (("gate", "up"), "up_proj")):
+        with pytest.raises(ValueError, match=r"fused_halves must order 'gate' and 'up'"):
+            MlpLayout("gate_up_proj", "down_proj", w_up=w_up, fused_halves=halves)
 
 
 def test_a_kind_without_dense_init_modes_is_refused():
     """dense_init asks the kind (its spec's init_modes), so a kind that cannot hold a dense MLP is refused by name."""
-    mlp = _mlps("gpt2")[0]
+    mlp = dense_mlp(_mlps("gpt2")[0], "gpt2")
     layer = build_sparse_layer(TranscoderSpec(d_in=D_MODEL, d_out=D_MODEL, num_latents=64, k=4)).double()
     expected = r"transcoder layers cannot start from a dense MLP .*; kinds that can: moe_x"
     with pytest.raises(ValueError, match=expected):

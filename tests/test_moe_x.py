@@ -10,7 +10,9 @@ from torch import nn
 
 from expertize.modeling import MoeXLayer, MoeXSpec
 from expertize.modeling.moe_x import ROUTER_EPS
-from expertize.modeling.sparse_base import ACTIVATIONS, SparseCode, sparse_rows_sum
+from expertize.modeling.sparse_base import ACTIVATIONS
+from expertize.modeling.sparse_code import SparseCode
+from expertize.modeling.sparse_kernels import sparse_rows_sum
 from tests.kinds import assert_same_with_grads, check_spec, randomized
 
 I, O, D, M, K = 6, 5, 7, 5, 2

@@ -285,13 +285,13 @@ def test_rank_matching_is_tight(kind):
 
 
 def test_model_card_names_both_kinds_and_cites_the_paper_once(tmp_path):
-    from expertize.conversion.publishing.card import CITATIONS, write_model_card
+    from expertize.conversion.publishing.card import CardInputs, write_model_card
 
     layers = {i: _spec(kind, d_in=32, d_out=32).to_dict() for i, kind in enumerate(KINDS)}
     path = write_model_card(
-        tmp_path, base_model="openai-community/gpt2", layers=layers, recipe_summary={}, metrics=None
+        tmp_path, CardInputs(base_model="openai-community/gpt2", layers=layers, recipe_summary={}, metrics=None)
     )
     text = path.read_text(encoding="utf-8")
     assert "CPμMoE" in text and "TRμMoE" in text
-    assert CITATIONS["mumoe_cp"] == CITATIONS["mumoe_tr"] and text.count(CITATIONS["mumoe_cp"]) == 1
+    assert MuMoECPSpec.citation == MuMoETRSpec.citation and text.count(MuMoECPSpec.citation) == 1
     assert "arXiv:2402.12550" in text

@@ -6,8 +6,13 @@ tests/test_kind_contract.py's battery."""
 import pytest
 import torch
 
-from expertize.modeling import RoutedNeuronsLayer, RoutedNeuronsSpec, build_sparse_layer, spec_from_dict
-from expertize.modeling import sparse_base as sparse_base_module
+from expertize.modeling import (
+    RoutedNeuronsLayer,
+    RoutedNeuronsSpec,
+    build_sparse_layer,
+    sparse_kernels,
+    spec_from_dict,
+)
 from tests.kinds import assert_same_with_grads, check_spec, randomized
 from tests.reference_mumoe import ACTIVATIONS
 
@@ -63,7 +68,7 @@ def _variant_id(variant: dict) -> str:
 @pytest.mark.parametrize("variant", VARIANTS, ids=_variant_id)
 def test_gathered_path_equals_dense_reference_with_gradients(variant, chunk, monkeypatch):
     if chunk is not None:  # the forward gathers 7 weights at a time: one token per chunk here
-        monkeypatch.setattr(sparse_base_module, "GATHER_CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(sparse_kernels, "GATHER_CHUNK_ELEMENTS", chunk)
     layer = _layer(**variant)
     x = torch.randn(3, 4, I, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     assert_same_with_grads(layer, layer, lambda v: dense_reference(layer, v.view(-1, I)).view(3, 4, O), x)

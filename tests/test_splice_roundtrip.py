@@ -60,7 +60,8 @@ def test_roundtrip_through_remote_code(family, tmp_path, tokenizer):
     assert not torch.allclose(logits, base_logits), "the sparse layers should change the output"
     files = {p.name for p in (tmp_path / "model").iterdir()}
     assert {"model.safetensors", "config.json", "modeling_expertize.py", "configuration_expertize.py", "mxd.py",
-            "transcoder.py", "sparse_base.py", "sparse_layers.py", "tokenizer.json", "generation_config.json"} <= files
+            "transcoder.py", "sparse_base.py", "sparse_code.py", "sparse_kernels.py", "sparse_layers.py",
+            "sparse_spec.py", "tokenizer.json", "generation_config.json"} <= files
     assert not any(name.endswith((".bin", ".pt")) for name in files)
     config = json.loads((tmp_path / "model" / "config.json").read_text())
     assert set(config["auto_map"]) == {"AutoConfig", "AutoModel", "AutoModelForCausalLM"}

@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from expertize.conversion.publishing.card import format_number
+from expertize.conversion.publishing.formats import format_number
 from expertize.conversion.cli import main
 from expertize.conversion.data.text import load_eval_sequences
 from expertize.conversion.recipe import RecipeError, recipe_from_dict

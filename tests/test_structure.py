@@ -11,7 +11,11 @@
    transcoder's"); inside a longer name ("gpt2-mxd-l8", "match_transcoder") it does not.
 2. The remote-code loader sees every kind. transformers copies an entry file and, recursively, the files it imports
    as `from .module import ...` (single dot, flat: `dynamic_module_utils.get_relative_imports`); a module behind
-   `LAYER_KINDS` must be such a direct import of both entry files, so that either file alone brings every kind.
+   `LAYER_KINDS` must be such a direct import of both entry files, so that either file alone brings every kind. So
+   must every other bundle file (the shared sparse_*.py files): transformers 4.x copies only an entry file's direct
+   relative imports (CONTRIBUTING.md).
+3. Small modules. No .py file under modeling/ or conversion/ is longer than `MAX_LINES` lines, except those in
+   `LONG_FILES`, each with the reason it is not split.
 
 Each rule is also run on a deliberately broken copy of the tree (or a registry with the toy kind in it), where it
 must fail naming the file and line, so that neither can pass by reading nothing.
@@ -256,16 +260,18 @@ def kind_modules(kinds: Mapping[str, tuple[type, type]]) -> dict[str, set[str]]:
     return modules
 
 
+def direct_imports(file: Path) -> set[str]:
+    """The sibling modules `file` imports as `from .module import ...`, as transformers' loader follows them."""
+    loader = set(get_relative_imports(file))  # what transformers follows from this file
+    tree = ast.parse(file.read_text(encoding="utf-8"))
+    direct = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module}
+    return loader & direct
+
+
 def entry_import_problems(modeling_dir: Path, kinds: Mapping[str, tuple[type, type]]) -> list[str]:
     """What keeps the remote-code loader from copying a kind's module with either entry file of `modeling_dir`."""
     problems = []
-    imported = {}
-    for entry in ENTRY_FILES:
-        file = modeling_dir / entry
-        loader = set(get_relative_imports(file))  # what transformers follows from this file
-        tree = ast.parse(file.read_text(encoding="utf-8"))
-        direct = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module}
-        imported[entry] = loader & direct
+    imported = {entry: direct_imports(modeling_dir / entry) for entry in ENTRY_FILES}
     for module_file, names in sorted(kind_modules(kinds).items()):
         module_file = Path(module_file)
         stem, label = module_file.stem, f"{module_file.name} (kinds {', '.join(sorted(names))})"
@@ -312,3 +318,94 @@ def test_a_kind_outside_the_bundle_folder_is_named():
         problems = entry_import_problems(MODELING, LAYER_KINDS)
     assert len(problems) == 1 and problems[0].startswith(f"toy_kind.py (kinds {TOY_KIND})")
     assert "is not a file of the bundle folder" in problems[0]
+
+
+def bundle_import_problems(modeling_dir: Path) -> list[str]:
+    """Bundle files of `modeling_dir` (every .py file but the package's __init__.py and the entry files) that an entry
+    file does not import directly: a saved model would lack them under transformers 4.x."""
+    shared = sorted(p.stem for p in modeling_dir.glob("*.py") if p.name not in ("__init__.py", *ENTRY_FILES))
+    return [
+        f"{stem}.py: modeling/{entry} lacks `from .{stem} import ...` (a single-dot relative import), so the "
+        "remote-code loader of transformers 4.x would not copy it"
+        for entry in ENTRY_FILES
+        for stem in shared
+        if stem not in direct_imports(modeling_dir / entry)
+    ]
+
+
+def test_every_bundle_file_is_a_direct_relative_import_of_both_entry_files():
+    problems = bundle_import_problems(MODELING)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_bundle_file_missing_from_an_entry_file_is_named(tmp_path):
+    modeling = tmp_path / "modeling"
+    shutil.copytree(MODELING, modeling, ignore=shutil.ignore_patterns("__pycache__"))
+    assert bundle_import_problems(modeling) == []
+    entry = modeling / "configuration_expertize.py"
+    source = entry.read_text(encoding="utf-8")
+    line = "from .sparse_kernels import sparse_rows_sum  # noqa: F401\n"
+    assert source.count(line) == 1
+    entry.write_text(source.replace(line, ""), encoding="utf-8")
+    (modeling / "new_shared.py").write_text("X = 1\n", encoding="utf-8")  # a file no entry file imports yet
+    problems = bundle_import_problems(modeling)
+    assert [p.split(" lacks")[0] for p in problems] == [
+        "new_shared.py: modeling/modeling_expertize.py",
+        "new_shared.py: modeling/configuration_expertize.py",
+        "sparse_kernels.py: modeling/configuration_expertize.py",
+    ]
+
+
+# -- rule 3: small modules --------------------------------------------------------------------------------------------
+
+MAX_LINES = 500
+LONG_FILES: dict[str, str] = {
+    # A kind lives in one file (CONTRIBUTING.md: "one file per layer kind"; rule 1 gives it its own room): splitting a
+    # kind's spec from its layer is a layout decision of its own, not a split by concern within the rules.
+    "modeling/moe_x.py": "one layer kind: spec, router, grouped expert kernels and the layer",
+    "modeling/monet.py": "one layer kind: spec, product-key routing and the layer (HD and VD)",
+    # The entry file: every family's model classes and the remote-code imports (rule 2); the family code is another
+    # room's, whose split is its own work.
+    "modeling/modeling_expertize.py": "the bundle's entry file (every family's model classes)",
+}
+"""Files over `MAX_LINES` lines -> why each is not split. The rule fails when one of them is no longer too long, so
+the list cannot outlive its reason."""
+
+
+def long_files(root: Path) -> dict[str, int]:
+    """.py files under root/modeling and root/conversion longer than `MAX_LINES` lines -> their number of lines."""
+    found = {}
+    for folder in ("modeling", "conversion"):
+        for file in sorted((root / folder).rglob("*.py")):
+            if "__pycache__" in file.parts:
+                continue
+            lines = len(file.read_text(encoding="utf-8").splitlines())
+            if lines > MAX_LINES:
+                found[file.relative_to(root).as_posix()] = lines
+    return found
+
+
+def test_no_module_is_longer_than_the_limit():
+    long = {path: lines for path, lines in long_files(REPO).items() if path not in LONG_FILES}
+    assert not long, (
+        f"files over {MAX_LINES} lines (split them by concern, or add them to LONG_FILES with the reason they stay): "
+        + ", ".join(f"{path} ({lines} lines)" for path, lines in sorted(long.items()))
+    )
+
+
+def test_every_long_file_allowed_is_still_long():
+    """A LONG_FILES entry whose file was split (or removed) must leave the list."""
+    stale = sorted(set(LONG_FILES) - set(long_files(REPO)))
+    assert not stale, f"LONG_FILES entries no longer over {MAX_LINES} lines (remove them): {stale}"
+
+
+def test_a_too_long_file_in_a_broken_copy_is_named(tmp_path):
+    root = _copy_tree(tmp_path)
+    assert long_files(root) == long_files(REPO)  # the copy is faithful
+    at_limit = root / "conversion" / "recipe" / "at_limit.py"
+    at_limit.write_text("x = 1\n" * MAX_LINES, encoding="utf-8")
+    grown = root / "modeling" / "sparse_kernels.py"
+    lines = len(grown.read_text(encoding="utf-8").splitlines())
+    _append(grown, "# padding\n" * (MAX_LINES + 1 - lines))
+    assert set(long_files(root)) - set(long_files(REPO)) == {"modeling/sparse_kernels.py"}
+    assert long_files(root)["modeling/sparse_kernels.py"] == MAX_LINES + 1

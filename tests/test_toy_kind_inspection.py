@@ -10,7 +10,7 @@ import torch
 
 from expertize.conversion.cli import main
 from expertize.conversion.inspection import LAYER_SCHEMA, validate
-from expertize.conversion.publishing.card import render_model_card
+from expertize.conversion.publishing.card import CardInputs, render_model_card
 from expertize.conversion.surgery.splice import save_model, splice
 from expertize.modeling import build_sparse_layer
 from tests.conftest import D_MODEL, tiny_base_model, tiny_tokenizer, write_corpus
@@ -96,6 +96,6 @@ def test_expertize_inspect_reports_a_saved_toy_model(toy_kind, tmp_path, capsys)
 def test_a_model_card_names_and_cites_the_toy_kind(toy_kind, tmp_path):
     """The card reads a kind's title, unit and citation from the registry when it renders (a kind registered after
     import included; the citations were a table frozen at import before)."""
-    card = str(render_model_card(tmp_path, base_model="tiny-gpt2", layers={1: toy_spec(toy_kind).to_dict()},
-                                 recipe_summary={}, metrics=None))
+    card = str(render_model_card(tmp_path, CardInputs(base_model="tiny-gpt2", layers={1: toy_spec(toy_kind).to_dict()},
+                                                      recipe_summary={}, metrics=None)))
     assert ToySpec.title in card and TOY_CITATION in card

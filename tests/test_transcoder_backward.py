@@ -9,7 +9,7 @@ import torch
 from torch.nn import functional as F
 
 from expertize.modeling import SkipTranscoderSpec, TranscoderLayer, TranscoderSpec
-from expertize.modeling.sparse_base import LinearReluTopK
+from expertize.modeling.sparse_kernels import LinearReluTopK
 
 I, O, L, K = 6, 5, 16, 4
 TOL = 1e-5

@@ -4,7 +4,7 @@ classes as the control, so a failure that is the harness's own is told apart fro
 
 The default run covers `DEFAULT`: every family with MxD, and every kind on one family of each MLP form
 (tests/families.py `MLP_FORMS`: GPT-2's plain Conv1D MLP, Llama's gated Linear one). A kind reaches a family only
-through the MLP's form and one shared mixin, and a kind file may import only torch and `sparse_base`
+through the MLP's form and one shared mixin, and a kind file may import only torch and the shared `sparse_*` files
 (tests/test_structure.py), so a bug of one family x kind pair needs a code path the layout forbids: the two axes
 cover the ground of the matrix. On the pairs of another kind than MxD the default run leaves out the tests of the
 whole model's machinery (`MXD_ONLY`). The other pairs, those tests and the native controls are marked `full_matrix`

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from expertize.conversion.capture import capture_activations
 from expertize.conversion.errors import ExpertizeError, RunFailed
-from expertize.conversion.publishing.card import format_number, format_percent
+from expertize.conversion.publishing.formats import format_number, format_percent
 from expertize.conversion.publishing.run_folder import RunFolderTaken
 from expertize.conversion.recipe import RecipeError, load_recipe, recipe_from_dict, recipe_to_dict, variant_recipes
 from expertize.conversion.training.distill import Trainer

@@ -9,7 +9,8 @@ parameters its own way (`b_out`, not the real kinds' `b_dec`: generic code reach
 meaning and a code-unit name of its own (so a test can tell that inspection read them from the kind, not from a
 table), a router (`router_distribution = "scores"`: the layer records s as `router_logits`, so routing statistics
 exist for it), a fixed output direction per latent (`output_directions`, so vocabulary effects exist for it) and
-the top-K flag. It imports only torch and modeling/sparse_base.py, as a kind file of the bundle does.
+the top-K flag. It imports only torch and the bundle's shared files (sparse_base, sparse_spec, sparse_code,
+sparse_kernels), as a kind file of the bundle does.
 
     with toy_kind_registered() as kind:      # LAYER_KINDS[kind] = (ToySpec, ToyLayer) for the block
         layer = build_sparse_layer({"kind": kind, "d_in": 32, "d_out": 32, **TOY_TINY_FIELDS[kind]})
@@ -27,16 +28,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from expertize.modeling.sparse_base import (
-    SparseCode,
-    SparseLayer,
-    SparseSpec,
-    _require_int,
-    linear_bound,
-    relu_topk,
-    sparse_rows_sum,
-    uniform_,
-)
+from expertize.modeling.sparse_base import SparseLayer, linear_bound, uniform_
+from expertize.modeling.sparse_code import SparseCode
+from expertize.modeling.sparse_kernels import relu_topk, sparse_rows_sum
+from expertize.modeling.sparse_spec import SparseSpec, _require_int
 from expertize.modeling.sparse_layers import LAYER_KINDS
 
 __all__ = ["TOY_KIND", "TOY_TINY_FIELDS", "ToyLayer", "ToySpec", "toy_kind", "toy_kind_registered"]

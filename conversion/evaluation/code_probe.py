@@ -23,7 +23,7 @@ again on them; the base model is not), the chosen units over every held-out posi
 import torch
 
 from expertize.modeling import SparseLayer
-from expertize.modeling.sparse_base import SparseCode
+from expertize.modeling.sparse_code import SparseCode
 
 PROBE_TOKENS = 8192
 """Held-out positions kept per layer for the code-share and bias readings."""

@@ -9,6 +9,7 @@
   about the layer: the headline names the variance beside it.
 """
 
+from ..publishing.formats import format_number, format_percent
 from ..publishing.metrics_schema import LayerMetrics, Metrics
 
 __all__ = ["VARIANCE_FLOOR", "headline_lines", "output_variance"]
@@ -28,7 +29,6 @@ def output_variance(layer: LayerMetrics) -> float | None:
 
 def headline_lines(metrics: Metrics) -> list[str]:
     """`metrics.summary_lines()` with the caveats above in place of the bare ratios."""
-    from ..publishing.card import format_number, format_percent  # summary_lines' number formats
     from .reading import ABLATION_GAP, ablations_judge
 
     lines = metrics.summary_lines()

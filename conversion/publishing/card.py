@@ -5,14 +5,13 @@
         ─► template `expertize/model_cards/expertize_model.md` (Jinja), filled with pre-formatted strings and rows
         ─► model_dir/README.md, written atomically (a second call replaces the whole file)
 
-Numbers are formatted here, once: CE-like floats with 4 decimals (scientific below 1e-3), fractions as percentages,
-counts with thousands separators. A missing value renders as "—"; `metrics=None` renders "not run".
+Numbers are written as formats.py writes them (shared with the variants table and the end-of-run summary); a missing
+value renders as "—"; `metrics=None` renders "not run". What a card is made of is one `CardInputs`.
 """
 
 import importlib.metadata
 import importlib.resources
 import json
-import math
 import os
 import re
 from collections.abc import Mapping
@@ -22,6 +21,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from .formats import MISSING, cell, code_cell, format_count, format_number, format_percent, is_number
 from .local_paths import ASSETS_VARIABLE
 from .metrics_schema import (
     CeMetrics, GenerationMetrics, LayerMetrics, Metrics, ReconstructionPositions, StackingMetrics,
@@ -30,20 +30,10 @@ from .run_folder import MODEL_CARD, write_text
 
 from expertize.modeling.sparse_layers import LAYER_KINDS
 
-__all__ = [
-    "CITATIONS",
-    "LAYER_KIND_INFO",
-    "TEMPLATE_NAME",
-    "format_count",
-    "format_number",
-    "format_percent",
-    "render_model_card",
-    "write_model_card",
-]
+__all__ = ["CardInputs", "TEMPLATE_NAME", "UNKNOWN_LICENSE", "render_model_card", "write_model_card"]
 
 TEMPLATE_NAME = "expertize_model.md"
 LM_EVAL_URL = "https://github.com/EleutherAI/lm-evaluation-harness"
-MISSING = "—"
 UNKNOWN_LICENSE = "unknown"
 """The `license:` metadata while the base model's license is not known: a placeholder the user must replace (the
 card says so and `expertize push` warns)."""
@@ -85,77 +75,11 @@ def _citation(kind: str) -> str:
     return LAYER_KINDS[kind][0].citation if kind in LAYER_KINDS else ""
 
 
-# The kind facts live on the spec classes (expertize.modeling); these tables are views of them (as of import).
-LAYER_KIND_INFO: dict[str, KindInfo] = {kind: _kind_info(kind) for kind in LAYER_KINDS}
-
-# BibTeX of the paper behind each layer kind, cited by every card that uses the kind.
-CITATIONS: dict[str, str] = {
-    kind: spec_cls.citation for kind, (spec_cls, _) in LAYER_KINDS.items() if spec_cls.citation
-}
-
 # Spec fields shown in their own columns of the "Replaced layers" table; the rest go to "other settings".
 _LAYER_COLUMNS = (
     "kind", "d_in", "d_out", "d_hidden", "num_experts", "num_latents", "num_units", "k", "num_parameters"
 )
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Number formatting
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def format_number(x: Any, decimals: int = 4) -> str:
-    """A float with `decimals` decimals; scientific (decimals - 1 decimals) when |x| < 1e-3 or >= 1e6."""
-    if x is None:
-        return MISSING
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return _cell(x)
-    if not math.isfinite(x):
-        return str(x)
-    if x == 0:
-        return "0"
-    if abs(x) < 1e-3 or abs(x) >= 1e6:
-        return f"{x:.{max(decimals - 1, 1)}e}"
-    return f"{x:.{decimals}f}"
-
-
-def format_count(x: Any) -> str:
-    """An integer with thousands separators (an integral float is shown as an integer)."""
-    if _is_number(x) and float(x).is_integer():
-        return f"{int(x):,}"
-    return format_number(x, 2)
-
-
-def format_percent(x: Any, decimals: int = 2) -> str:
-    """A fraction (1.0 = 100 %) as a percentage."""
-    if not _is_number(x):
-        return format_number(x)
-    return f"{100 * x:.{decimals}f}%"
-
-
-def _cell(x: Any) -> str:
-    """Any value as one Markdown table cell."""
-    if x is None:
-        return MISSING
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    if isinstance(x, int):
-        return format_count(x)
-    if isinstance(x, float):
-        return format_count(x) if x.is_integer() and abs(x) >= 1000 else f"{x:g}"
-    if isinstance(x, (list, tuple, dict)):
-        text = json.dumps(x, default=str)
-    else:
-        text = str(x)
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _code(x: Any) -> str:
-    return f"`{_cell(x)}`"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -200,7 +124,7 @@ def _replacements(layers: Mapping[int, Mapping[str, Any]]) -> str:
         one = len(indices) == 1
         parts.append(
             f"the MLP{'' if one else 's'} of {_layer_list(indices)} replaced by {'a ' if one else ''}{info.title} "
-            f"layer{'' if one else 's'} (K = {_cell(k)} of {_cell(n_units)} {info.unit}s active per token)"
+            f"layer{'' if one else 's'} (K = {cell(k)} of {cell(n_units)} {info.unit}s active per token)"
         )
     return "; ".join(parts)
 
@@ -249,11 +173,11 @@ def _layer_table(layers: dict[int, dict]) -> tuple[list[str], list[list[str]]]:
     header += [" / ".join(unit_words), "k", "parameters", "other settings"]
     rows = []
     for index, spec in layers.items():
-        others = ", ".join(f"{name}={_cell(value)}" for name, value in spec.items() if name not in _LAYER_COLUMNS)
-        row = [str(index), _code(spec.get("kind")), f"{_cell(spec.get('d_in'))} → {_cell(spec.get('d_out'))}"]
+        others = ", ".join(f"{name}={cell(value)}" for name, value in spec.items() if name not in _LAYER_COLUMNS)
+        row = [str(index), code_cell(spec.get("kind")), f"{cell(spec.get('d_in'))} → {cell(spec.get('d_out'))}"]
         if has_hidden:
-            row.append(_cell(spec.get("d_hidden")))
-        row += [_cell(_num_units(spec)), _cell(spec.get("k")), format_count(_num_parameters(spec)), others or MISSING]
+            row.append(cell(spec.get("d_hidden")))
+        row += [cell(_num_units(spec)), cell(spec.get("k")), format_count(_num_parameters(spec)), others or MISSING]
         rows.append(row)
     return header, rows
 
@@ -333,7 +257,7 @@ def _match_rows(curve: list[Any]) -> list[tuple[str, str]]:
 
 def _with_stderr(value: Any, stderr: Any) -> str:
     text = format_number(value)
-    return text + f" ± {format_number(stderr)}" if _is_number(value) and _is_number(stderr) else text
+    return text + f" ± {format_number(stderr)}" if is_number(value) and is_number(stderr) else text
 
 
 def _lm_eval(
@@ -348,9 +272,9 @@ def _lm_eval(
         for metric, entry in task_metrics.items():
             value, base = entry.get("value"), entry.get("base_value")
             ours, theirs = _with_stderr(value, entry.get("stderr")), _with_stderr(base, entry.get("base_stderr"))
-            delta = f"{value - base:+.4f}" if _is_number(value) and _is_number(base) else MISSING
-            rows.append([_code(task) + (" (local)" if local else ""), _code(metric), theirs, ours, delta])
-            if _is_number(value) and dataset:
+            delta = f"{value - base:+.4f}" if is_number(value) and is_number(base) else MISSING
+            rows.append([code_cell(task) + (" (local)" if local else ""), code_cell(metric), theirs, ours, delta])
+            if is_number(value) and dataset:
                 metric_type, _, metric_filter = str(metric).partition(",")  # lm-eval keys: "acc,none"
                 results.append(
                     EvalResult(
@@ -380,9 +304,9 @@ def _lm_eval_notes(details: Mapping[str, Mapping[str, Any]]) -> list[str]:
                                                    else "")
             parts.append(f"{docs} documents")
         if d.get("limit") is not None:
-            parts.append(f"limit {_cell(d['limit'])}: a smoke test, not a benchmark")
+            parts.append(f"limit {cell(d['limit'])}: a smoke test, not a benchmark")
         if parts:
-            notes.append(f"{_code(task)}: {', '.join(parts)}")
+            notes.append(f"{code_cell(task)}: {', '.join(parts)}")
     if any(d.get("local") for d in details.values()):
         notes.append("(local): a task made from local text (`expertize tasks`, or shipped with expertize), not a "
                      "public benchmark; it is left out of this card's metadata")
@@ -422,35 +346,61 @@ def _expertize_version() -> str:
 # Public API
 
 
-def render_model_card(
-    model_dir: str | os.PathLike,
-    *,
-    base_model: str,
-    layers: Mapping[int, Mapping[str, Any]],
-    recipe_summary: Mapping[str, Any] | None,
-    metrics: Mapping[str, Any] | Metrics | None,
-    lm_eval: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
-    model_name: str | None = None,
-    repo_id: str | None = None,
-    lm_eval_details: Mapping[str, Mapping[str, Any]] | None = None,
-    base_model_is_hub_id: bool | None = None,
-    license: str | None = None,
-    datasets: list[str] | None = None,
-) -> ModelCard:
-    """The model card (metadata + body) without writing it; see `write_model_card` for the arguments."""
+@dataclass(frozen=True, kw_only=True)
+class CardInputs:
+    """What a model card is made of: the layers, the training rows, the evaluation and the Hub metadata."""
+
+    base_model: str
+    """Hub id (or local name) of the dense model the layers were taken from; a Hub id goes into the `base_model`
+    metadata and is linked. Never give a local absolute path for a card to be published:
+    `model_folder.refresh_model_card` names a local base by its folder name (local_paths.public_base_model)."""
+    layers: Mapping[int, Mapping[str, Any]]
+    """Decoder layer index -> spec dict (`{"kind": "mxd", "d_in": ..., "k": ..., ...}`, as in the config's
+    `sparse_layers`), optionally with "num_parameters" (counted from the spec when absent and valid)."""
+    recipe_summary: Mapping[str, Any] | None
+    """Setting -> value rows of the "Training" table (tokens, lr, steps, data source, seed, ...)."""
+    metrics: Mapping[str, Any] | Metrics | None
+    """A `Metrics` (metrics_schema.py) or the evaluation dict (`{"layers": {"8": {"nmse_paper", "relative_mse", "fvu",
+    "mse", "l0", "dead_units", "dead_fraction", "num_units"}}, "ce": {"base", "spliced", "delta", "kl_base_spliced",
+    "zero_ablation", "mean_ablation", "ce_recovered_zero", "ce_recovered_mean"}, "generation": {"match_curve",
+    "match_at_end", "n_prompts"}, "eval_tokens"}`; fractions in [0, 1]); any key may be missing. None: the card says
+    evaluation was not run."""
+    lm_eval: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None
+    """Task -> metric -> {"value", "stderr", "base_value", "base_stderr"} (base keys optional), as `expertize eval`
+    records them; also written as the card's `model-index` (this model's values only)."""
+    model_name: str | None = None
+    """The card's title and model-index name; default `<base>-<kinds>-l<layers>` (or repo_id's name)."""
+    repo_id: str | None = None
+    """The Hub repository used in the loading snippet; default `<user>/<model_name>`."""
+    lm_eval_details: Mapping[str, Mapping[str, Any]] | None = None
+    """Task -> {"n_shot", "n_samples", "n_documents", "limit"} (any may be missing), listed under the lm-eval table."""
+    base_model_is_hub_id: bool | None = None
+    """Whether `base_model` is a Hub repository id (False: no `base_model` metadata, no link); None: recorded as
+    given, linked when it has the form of a Hub id."""
+    license: str | None = None
+    """The `license:` metadata (a Hub license id, the base model's); None: "unknown", a placeholder the card asks the
+    user to replace."""
+    datasets: list[str] | None = None
+    """Hub dataset ids the layers were trained on (the `datasets:` metadata); local text is never listed."""
+
+
+def render_model_card(model_dir: str | os.PathLike, inputs: CardInputs) -> ModelCard:
+    """The model card (metadata + body) of the model in `model_dir`, without writing it."""
+    base_model, repo_id, license = inputs.base_model, inputs.repo_id, inputs.license
+    metrics, base_model_is_hub_id = inputs.metrics, inputs.base_model_is_hub_id
     model_dir = Path(model_dir)
-    if not layers:
+    if not inputs.layers:
         raise ValueError("layers is empty: a model card needs at least one replaced layer (layer index -> spec dict)")
-    layers = {int(i): dict(spec) for i, spec in sorted(layers.items(), key=lambda kv: int(kv[0]))}
+    layers = {int(i): dict(spec) for i, spec in sorted(inputs.layers.items(), key=lambda kv: int(kv[0]))}
     for index, spec in layers.items():
         if not spec.get("kind"):
             raise ValueError(
                 f"layers[{index}] has no 'kind': every spec dict names its method, one of {sorted(LAYER_KINDS)}"
             )
     kinds = list(dict.fromkeys(spec["kind"] for spec in layers.values()))
-    model_name = model_name or (repo_id.split("/")[-1] if repo_id else _default_model_name(base_model, layers))
+    model_name = inputs.model_name or (repo_id.split("/")[-1] if repo_id else _default_model_name(base_model, layers))
 
-    lm_eval_rows, eval_results = _lm_eval(lm_eval or {}, lm_eval_details or {})
+    lm_eval_rows, eval_results = _lm_eval(inputs.lm_eval or {}, inputs.lm_eval_details or {})
     # True: a Hub id (metadata + link); False: a name that is not one (no metadata: the Hub accepts only repository
     # ids there); None: unknown, recorded as given and linked when it has the form of a Hub id.
     in_metadata = base_model_is_hub_id is not False
@@ -464,7 +414,7 @@ def render_model_card(
         model_name=model_name,
         eval_results=eval_results or None,
         license=license or UNKNOWN_LICENSE,
-        datasets=list(datasets) if datasets else None,
+        datasets=list(inputs.datasets) if inputs.datasets else None,
     )
 
     evaluated = metrics.evaluated if isinstance(metrics, Metrics) else bool(metrics)
@@ -493,7 +443,7 @@ def render_model_card(
         unit_plural_any=" / ".join(f"{u}s" for u in units),
         layer_header=layer_header,
         layer_rows=layer_rows,
-        recipe_rows=[[_code(key), _cell(value)] for key, value in (recipe_summary or {}).items()],
+        recipe_rows=[[code_cell(key), cell(value)] for key, value in (inputs.recipe_summary or {}).items()],
         recipe_files=_recipe_files(model_dir),
         evaluated=evaluated or bool(lm_eval_rows),
         eval_tokens=format_count(metrics.eval_tokens) if metrics.eval_tokens is not None else "",
@@ -507,68 +457,16 @@ def render_model_card(
         match_rows=_match_rows(list(generation.match_curve) if generation is not None else []),
         n_prompts=format_count(generation.n_prompts if generation is not None else None),
         lm_eval_rows=lm_eval_rows,
-        lm_eval_notes=_lm_eval_notes(lm_eval_details or {}),
+        lm_eval_notes=_lm_eval_notes(inputs.lm_eval_details or {}),
         # dict.fromkeys: kinds from one paper (mumoe_cp, mumoe_tr) cite it once
         citations=list(dict.fromkeys(c for c in map(_citation, kinds) if c)),
         expertize_version=_expertize_version(),
     )
 
 
-def write_model_card(
-    model_dir: str | os.PathLike,
-    *,
-    base_model: str,
-    layers: Mapping[int, Mapping[str, Any]],
-    recipe_summary: Mapping[str, Any] | None,
-    metrics: Mapping[str, Any] | Metrics | None,
-    lm_eval: Mapping[str, Mapping[str, Mapping[str, Any]]] | None = None,
-    model_name: str | None = None,
-    repo_id: str | None = None,
-    lm_eval_details: Mapping[str, Mapping[str, Any]] | None = None,
-    base_model_is_hub_id: bool | None = None,
-    license: str | None = None,
-    datasets: list[str] | None = None,
-) -> Path:
-    """Write `model_dir/README.md` (Hub metadata + card body) and return its path; a second call replaces it.
-
-    Args:
-        base_model: Hub id (or local name) of the dense model the layers were taken from; a Hub id goes into the
-            `base_model` metadata and is linked. Never give a local absolute path for a card to be published:
-            `model_folder.refresh_model_card` names a local base by its folder name (local_paths.public_base_model).
-        layers: decoder layer index -> spec dict (`{"kind": "mxd", "d_in": ..., "k": ..., ...}`, as in the config's
-            `sparse_layers`), optionally with "num_parameters" (counted from the spec when absent and valid).
-        recipe_summary: setting -> value rows of the "Training" table (tokens, lr, steps, data source, seed, ...).
-        metrics: a `Metrics` (metrics_schema.py) or the evaluation dict (`{"layers": {"8": {"nmse_paper", "relative_mse", "fvu", "mse", "l0",
-            "dead_units", "dead_fraction", "num_units"}}, "ce": {"base", "spliced", "delta", "kl_base_spliced",
-            "zero_ablation", "mean_ablation", "ce_recovered_zero", "ce_recovered_mean"}, "generation":
-            {"match_curve", "match_at_end", "n_prompts"}, "eval_tokens"}`; fractions in [0, 1]); any key may be
-            missing. None: the card says evaluation was not run.
-        lm_eval: task -> metric -> {"value", "stderr", "base_value", "base_stderr"} (base keys optional), as
-            `expertize eval` records them; also written as the card's `model-index` (this model's values only).
-        model_name: the card's title and model-index name; default `<base>-<kinds>-l<layers>` (or repo_id's name).
-        repo_id: the Hub repository used in the loading snippet; default `<user>/<model_name>`.
-        lm_eval_details: task -> {"n_shot", "n_samples", "n_documents", "limit"} (any may be missing), listed under
-            the lm-eval table.
-        base_model_is_hub_id: whether `base_model` is a Hub repository id (False: no `base_model` metadata, no
-            link); None: recorded as given, linked when it has the form of a Hub id.
-        license: the `license:` metadata (a Hub license id, the base model's); None: "unknown", a placeholder the
-            card asks the user to replace.
-        datasets: Hub dataset ids the layers were trained on (the `datasets:` metadata); local text is never listed.
-    """
+def write_model_card(model_dir: str | os.PathLike, inputs: CardInputs) -> Path:
+    """Write `model_dir/README.md` (Hub metadata + card body) and return its path; a second call replaces it."""
     model_dir = Path(model_dir)
-    card = render_model_card(
-        model_dir,
-        base_model=base_model,
-        layers=layers,
-        recipe_summary=recipe_summary,
-        metrics=metrics,
-        lm_eval=lm_eval,
-        model_name=model_name,
-        repo_id=repo_id,
-        lm_eval_details=lm_eval_details,
-        base_model_is_hub_id=base_model_is_hub_id,
-        license=license,
-        datasets=datasets,
-    )
+    card = render_model_card(model_dir, inputs)
     # Atomic: readers see the old card or the new one, never half of one.
     return write_text(model_dir / MODEL_CARD, str(card))

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ExpertizeError
+from .formats import format_number, format_percent
 
 __all__ = [
     "CeMetrics", "GenerationMetrics", "HealSummary", "InitMetrics", "LayerMetrics", "LmEval", "LmEvalMetric",
@@ -347,8 +348,6 @@ class Metrics(_Section):
 
     def summary_lines(self) -> list[str]:
         """The key results in a few lines, for the end of a run (CLI)."""
-        from .card import format_number, format_percent  # the card's number formats
-
         lines = []
         ce = self.ce
         if ce is not None and ce.base is not None:

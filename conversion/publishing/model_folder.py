@@ -25,7 +25,7 @@ from expertize.modeling.sparse_layers import spec_from_dict
 
 from ..checks import check_weight_file
 from ..errors import ExpertizeError
-from .card import UNKNOWN_LICENSE, render_model_card, write_model_card
+from .card import UNKNOWN_LICENSE, CardInputs, render_model_card, write_model_card
 from .local_paths import local_base_model, public_base_model
 from .metrics_schema import Metrics, load_metrics
 from .run_folder import METRICS, MODEL_CARD, PROVENANCE, RESOLVED_RECIPE, write_json
@@ -183,7 +183,7 @@ def _hub_datasets(model_dir: Path) -> list[str]:
     return [str(data["name"])] if data.get("source") == "hub" and data.get("name") else []
 
 
-def _card_inputs(model_dir: Path, base_model: str | None, public: bool) -> dict[str, Any]:
+def _card_inputs(model_dir: Path, base_model: str | None, public: bool, repo_id: str | None) -> CardInputs:
     config = check_model_folder(model_dir)
     layers = config.get("sparse_layers") or {}
     recorded = recorded_base_model(model_dir)
@@ -202,9 +202,10 @@ def _card_inputs(model_dir: Path, base_model: str | None, public: bool) -> dict[
     tasks = metrics.lm_eval.tasks if metrics.lm_eval is not None else {}
     summary = metrics.recipe_summary
     metrics.lm_eval, metrics.recipe_summary = None, {}
-    return dict(
+    return CardInputs(
         base_model=name,
         base_model_is_hub_id=hub_flag,
+        repo_id=repo_id,
         layers={int(i): spec for i, spec in layers.items()},
         recipe_summary=summary,
         metrics=metrics if metrics.evaluated else None,
@@ -222,7 +223,7 @@ def render_card_from_folder(
     `base_model` is used only when the folder records none. `public` (the card `expertize push` uploads): a local
     base is named by its folder name, never its path."""
     model_dir = Path(model_dir)
-    return render_model_card(model_dir, repo_id=repo_id, **_card_inputs(model_dir, base_model, public))
+    return render_model_card(model_dir, _card_inputs(model_dir, base_model, public, repo_id))
 
 
 def refresh_model_card(
@@ -234,4 +235,4 @@ def refresh_model_card(
     The folder's own card names a local base by its path (`public=False`); `expertize push` uploads the public
     card (`render_card_from_folder`), which never holds a local path."""
     model_dir = Path(model_dir)
-    return write_model_card(model_dir, repo_id=repo_id, **_card_inputs(model_dir, base_model, public))
+    return write_model_card(model_dir, _card_inputs(model_dir, base_model, public, repo_id))

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from ..recipe.layer_config import has_selection_bias
-from .card import format_number, format_percent
+from .formats import format_number, format_percent
 from .metrics_schema import load_metrics
 from .run_folder import METRICS, RESOLVED_RECIPE, write_text
 

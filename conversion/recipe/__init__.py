@@ -1,7 +1,8 @@
 """Recipes: the typed, strictly loaded input of `expertize upcycle RECIPE`.
 
-    schema.py       the dataclass tree (Recipe, TrainConfig, HealConfig, EvalConfig)
+    schema.py       the dataclass tree (Recipe, TrainConfig, EvalConfig)
     layer_config.py the layer: section (LayerConfig)
+    heal_config.py  the heal: section (HealConfig)
     data.py         the data: section (DataConfig) and the token budget -> sequences rule
     loader.py       YAML files and bundled recipes by name, `--set` overrides, ${VAR} expansion, saving
     coerce.py       type checking with key paths and did-you-mean suggestions (shared by the loader and the schema)

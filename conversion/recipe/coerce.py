@@ -21,7 +21,9 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from ..errors import ExpertizeError
 
-__all__ = ["RecipeError", "Source", "build", "check_field_types", "did_you_mean", "field_docs", "plain"]
+__all__ = [
+    "RecipeError", "Source", "build", "check_field_types", "check_minimum", "did_you_mean", "field_docs", "plain",
+]
 
 
 class RecipeError(ExpertizeError, ValueError):
@@ -233,6 +235,13 @@ def check_field_types(obj: Any, prefix: str) -> None:
             setattr(obj, f.name, coerce(getattr(obj, f.name), hints[f.name], join(prefix, f.name), src))
         except (_Mismatch, _Invalid) as e:
             raise ValueError(str(e)) from None
+
+
+def check_minimum(obj: Any, prefix: str, minimum: int, names: Iterable[str]) -> None:
+    """Refuse the first field of `names` below `minimum`, naming its key ("train.log_every: must be >= 1, got 0")."""
+    for name in names:
+        if getattr(obj, name) < minimum:
+            raise ValueError(f"{join(prefix, name)}: must be >= {minimum}, got {getattr(obj, name)}")
 
 
 def plain(value: Any) -> Any:

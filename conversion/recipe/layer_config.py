@@ -8,7 +8,8 @@ shape into the validated spec.
 import dataclasses
 from typing import Any, Literal
 
-from expertize.modeling.sparse_base import SparseSpec, canonical_activation
+from expertize.modeling.sparse_base import canonical_activation
+from expertize.modeling.sparse_spec import SparseSpec
 from expertize.modeling.sparse_layers import DEFAULT_KIND, LAYER_KINDS
 
 from .coerce import check_field_types, did_you_mean, field_default

@@ -12,7 +12,8 @@ import re
 from typing import Any
 
 from expertize.modeling.configuration_expertize import MlpShape
-from expertize.modeling.sparse_base import SparseSpec, canonical_activation
+from expertize.modeling.sparse_base import canonical_activation
+from expertize.modeling.sparse_spec import SparseSpec
 from expertize.modeling.transcoder import TranscoderSpec
 
 from .coerce import RecipeError

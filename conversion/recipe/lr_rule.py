@@ -10,7 +10,7 @@
 - FULL_RATE_STEPS = 320: at 1,280 steps (256 tokens per step, the same tokens) tiny-gpt2-shakespeare's best fell to 3e-3
   (1e-2 collapsed MxD and left the transcoder's K = 8 at 41 % dead) while stories260k's stayed 1e-2; the rule gives
   5e-3 there. The fall as 1/sqrt(steps) is AdamW's usual dependence on the horizon, fitted to these two points.
-- factor(kind): the kind's `auto_lr_factor` (modeling/sparse_base.py): 1, or MoE-X's 0.3 (its best rate was 3e-3).
+- factor(kind): the kind's `auto_lr_factor` (modeling/sparse_spec.py): 1, or MoE-X's 0.3 (its best rate was 3e-3).
 - Beyond MEASURED_STEPS = 1,280 steps the rule is an extrapolation, and the run says so — the MxD paper's 1e-4 at
   117,000 steps is 5x below it; sweep long runs (recipe `variants:`).
 """
@@ -22,10 +22,10 @@ FULL_RATE_STEPS = 320
 MEASURED_STEPS = 1280
 
 
-def rule_lr(steps: int, tokens_per_step: int = 4096, factor: float = 1.0) -> float:
+def rule_lr(steps: int, factor: float = 1.0) -> float:
     """The rule's peak learning rate for a run of `steps` optimizer steps for a kind of `auto_lr_factor` `factor`
-    (`tokens_per_step` acts through the number of steps only: at 80 steps the best rate was the same at 1,024 and
-    4,096 tokens per step; kept in the signature for the record)."""
+    (the tokens per step act through the number of steps only: at 80 steps the best rate was the same at 1,024 and
+    4,096 tokens per step)."""
     return LR_BEST * factor * min(1.0, math.sqrt(FULL_RATE_STEPS / max(int(steps), 1)))
 
 

@@ -100,7 +100,7 @@ def resolve_schedule(
     `warmup_steps`, `schedule`, `min_lr_ratio`): `auto` values resolved by the rules. `lr_factor`: the kind's
     `auto_lr_factor` for the lr rule; None for a stage that has no lr rule (its `lr` must be a number)."""
     steps = int(steps)
-    lr_rule = None if lr_factor is None else rule_lr(steps, getattr(cfg, "tokens_per_step", 4096), lr_factor)
+    lr_rule = None if lr_factor is None else rule_lr(steps, lr_factor)
     lr_auto = cfg.lr == AUTO
     if lr_auto and lr_rule is None:
         raise ValueError("lr: auto needs the lr rule (a distillation); give a number")

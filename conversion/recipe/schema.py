@@ -5,7 +5,7 @@
     layer: {kind: mxd, k: 32, match_transcoder: 32}   # LayerConfig (layer_config.py)
     data: {...}                   # DataConfig (data.py)
     train: {...}                  # TrainConfig
-    heal: {...}                   # HealConfig (optional)
+    heal: {...}                   # HealConfig (heal_config.py, optional)
     eval: {...}                   # EvalConfig
     output_dir: runs/gpt2-mxd-l8
 
@@ -20,13 +20,11 @@ from pathlib import Path
 from typing import Literal
 
 from .data import DataConfig, token_budget_to_sequences
-from .schedule_rule import (
-    HEAL_MIN_LR_RATIO, HEAL_SCHEDULE, HEAL_WARMUP_FRACTION, MIN_LR_RATIO, SCHEDULE, WARMUP_FRACTION, ResolvedSchedule,
-    check_warmup, resolve_schedule,
-)
+from .schedule_rule import MIN_LR_RATIO, SCHEDULE, WARMUP_FRACTION, ResolvedSchedule, check_warmup, resolve_schedule
+from .heal_config import HealConfig
 from .layer_config import ONE_KIND_PER_RECIPE, LayerConfig
 from .variants import VariantConfig, check_variants
-from .coerce import RecipeError, check_field_types
+from .coerce import RecipeError, check_field_types, check_minimum
 
 __all__ = ["EvalConfig", "HealConfig", "LayerConfig", "Recipe", "RecipeError", "TrainConfig"]
 
@@ -203,14 +201,10 @@ class TrainConfig:
             raise ValueError(f"train.grad_clip: must be > 0 (or null for no clipping), got {self.grad_clip}")
         if self.capture_batch_sequences != "auto" and self.capture_batch_sequences < 1:
             raise ValueError(f'train.capture_batch_sequences: must be >= 1 or "auto", got {self.capture_batch_sequences}')
-        for name in ("tokens_per_step", "shuffle_buffer_tokens", "log_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
+        check_minimum(self, "train", 1, ("tokens_per_step", "shuffle_buffer_tokens", "log_every"))
         if self.warmup_steps != "auto" and self.warmup_steps < 0:
             raise ValueError(f'train.warmup_steps: must be >= 0 or "auto", got {self.warmup_steps}')
-        for name in ("checkpoint_every", "seed"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"train.{name}: must be >= 0, got {getattr(self, name)}")
+        check_minimum(self, "train", 0, ("checkpoint_every", "seed"))
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"train.betas: expected two numbers in [0, 1) such as [0.9, 0.999], got {self.betas}")
         if self.shuffle_buffer_tokens < self.tokens_per_step:
@@ -243,105 +237,6 @@ class TrainConfig:
             )
         if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
             raise ValueError(f"train.device: expected 'auto', 'cpu', 'cuda', 'cuda:N' or 'mps', got {self.device!r}")
-
-
-@dataclasses.dataclass
-class HealConfig:
-    """End-to-end healing after distillation (recipe section `heal:`; leave it out for none).
-
-    The spliced model trains on text: the sparse layers fully, the rest of the model frozen or adapted with LoRA
-    (merged into the weights before saving). Routed layers' auxiliary losses are added, times
-    `router_aux_loss_coef`. Runs on one process.
-    """
-
-    tokens: int = 1_000_000
-    """Healing budget in tokens (sequences of data.context_length from the train split, from its start)."""
-
-    batch_sequences: int = 8
-    """Sequences per optimizer step."""
-
-    objective: Literal["kl", "lm"] = "kl"
-    """"kl": KL(base ‖ healed) of the next-token distributions (match the dense model's outputs); "lm": next-token
-    cross-entropy on the text."""
-
-    lr: float = 1e-4
-    """Peak learning rate (AdamW) of everything that trains."""
-
-    warmup_steps: int | Literal["auto"] = "auto"
-    """Linear warm-up steps. "auto": a tenth of the healing steps, as for the distillation (recipe/schedule_rule.py;
-    the former default, 100, was a tenth of a default-budget run); a number must be below the healing steps."""
-
-    schedule: Literal["constant", "cosine", "linear"] = HEAL_SCHEDULE
-    """Learning rate after warm-up: "cosine" (default) or "linear" decay to lr * min_lr_ratio, or "constant"."""
-
-    min_lr_ratio: float = HEAL_MIN_LR_RATIO
-    """Final learning rate of the cosine / linear schedules, as a fraction of `lr` (0.1, as for the distillation)."""
-
-    rest: Literal["frozen", "lora"] = "frozen"
-    """The non-sparse weights: "frozen", or "lora" (PEFT LoRA on `lora_target_modules`, merged before saving)."""
-
-    lora_r: int = 8
-    """LoRA rank."""
-
-    lora_alpha: float = 16.0
-    """LoRA scaling numerator (the update is scaled by lora_alpha / lora_r)."""
-
-    lora_target_modules: list[str] | Literal["auto"] = "auto"
-    """Modules LoRA adapts (PEFT suffix names); "auto": the attention projections of the base family (GPT-2
-    attn.c_attn, attn.c_proj; GPT-NeoX attention.query_key_value, attention.dense; Llama-like q/k/v/o_proj); []:
-    none (with lora_target_parameters)."""
-
-    lora_target_parameters: list[str] = dataclasses.field(default_factory=list)
-    """Sparse-layer parameters adapted by LoRA instead of trained fully (PEFT `target_parameters`, e.g.
-    ["mlp.W_enc", "mlp.W_dec"] for MoE-X's 3-D expert weights). Needs rest: lora."""
-
-    aux_loss_coef: float = 1.0
-    """Factor on the routed layers' auxiliary losses (router_aux_loss_coef of the saved config)."""
-
-    grad_clip: float | None = 1.0
-    """Clip the global gradient norm to this value; null: no clipping."""
-
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-
-    log_every: int = 10
-    """Log the healing metrics every this many steps."""
-
-    checkpoint_every: int = 200
-    """Write a resumable checkpoint every this many steps (0: none until the end)."""
-
-    def resolved(self, total_steps: int) -> ResolvedSchedule:
-        """The schedule of a healing run of `total_steps` steps: `warmup_steps`, or the rule's when "auto"
-        (recipe/schedule_rule.py); healing has no lr rule."""
-        return resolve_schedule(self, total_steps, lr_factor=None, warmup_fraction=HEAL_WARMUP_FRACTION)
-
-    def __post_init__(self) -> None:
-        check_field_types(self, "heal")
-        if not self.lr > 0:
-            raise ValueError(f"heal.lr: must be > 0, got {self.lr}")
-        for name in ("tokens", "batch_sequences", "lora_r", "log_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"heal.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.warmup_steps != "auto" and self.warmup_steps < 0:
-            raise ValueError(f'heal.warmup_steps: must be >= 0 or "auto", got {self.warmup_steps}')
-        for name in ("checkpoint_every", "weight_decay", "aux_loss_coef"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"heal.{name}: must be >= 0, got {getattr(self, name)}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"heal.min_lr_ratio: must lie in [0, 1], got {self.min_lr_ratio}")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(f"heal.grad_clip: must be > 0 (or null for no clipping), got {self.grad_clip}")
-        if self.rest != "lora":
-            for name, is_set in (
-                ("lora_target_parameters", bool(self.lora_target_parameters)),
-                ("lora_target_modules", self.lora_target_modules != "auto"),
-            ):
-                if is_set:
-                    raise ValueError(f"heal.{name}: LoRA settings need heal.rest: lora (it is {self.rest!r})")
-        if self.lora_target_modules != "auto" and not self.lora_target_modules and not self.lora_target_parameters:
-            raise ValueError(
-                'heal.lora_target_modules: empty and no heal.lora_target_parameters; list module names or write "auto"'
-            )
 
 
 @dataclasses.dataclass
@@ -383,11 +278,9 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self, "eval")
-        for name in ("batch_sequences", "prompt_tokens", "continuation_tokens", "lm_eval_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"eval.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.generation_prompts < 0:
-            raise ValueError(f"eval.generation_prompts: must be >= 0, got {self.generation_prompts}")
+        check_minimum(self, "eval", 1, ("batch_sequences", "prompt_tokens", "continuation_tokens",
+                                        "lm_eval_batch_size"))
+        check_minimum(self, "eval", 0, ("generation_prompts",))
         if self.lm_eval_num_fewshot is not None and self.lm_eval_num_fewshot < 0:
             raise ValueError(f"eval.lm_eval_num_fewshot: must be >= 0 (or null), got {self.lm_eval_num_fewshot}")
         if self.lm_eval_limit is not None and not self.lm_eval_limit > 0:

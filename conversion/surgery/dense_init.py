@@ -1,5 +1,7 @@
-"""Start a sparse layer from a dense MLP ("sparse upcycling"), for the MLP of every supported family (the child names
-of each family's MLP are its `MlpLayout` row in families.py).
+"""Start a sparse layer from a dense MLP ("sparse upcycling"), for the MLP of every supported family. The MLP is read
+by its family's `MlpLayout` row in families.py (child names, gated or fused gate/up, Conv1D), named by the caller's
+`family` (the model's model_type), never guessed from the module's children: a family whose row is missing or wrong
+fails by name instead of being read with another family's layout.
 
 The methods are the `init_modes` a kind's spec lists besides "default" (today MoE-X's); the layer says how it holds
 the MLP (`SparseLayer.dense_init_groups`, `dense_fit_problems`, `init_from_dense`) and its spec which fields do
@@ -18,13 +20,15 @@ the MLP (`SparseLayer.dense_init_groups`, `dense_fit_problems`, `init_from_dense
   never train (digest pitfall 2). Gaussian noise of `noise_std` × std(W_in) on each expert's encoder breaks the ties
   (the router reads only W_enc); it perturbs the function by about that relative amount.
 
-GLU MLPs (Llama: down(act(gate x) * up x)) map gate -> W_enc (the branch under φ, which the sparsity router reads),
-up -> W_up, down -> W_dec, with `expert_glu=True`. MoE-X's experts are ReLU; switching a GELU / SiLU MLP to ReLU
-changes the function, so it is an explicit option: build the spec with `activation="relu"` and pass
-`allow_activation_change=True` (`layer_from_dense(kind, ..., activation="relu")` does both). To see what the switch
-costs before training, splice the layers in and compare the cross-entropy, e.g.
+GLU MLPs (Llama: down(act(gate x) * up x); Phi-3 fuses gate and up into one projection, read here as its two halves)
+map gate -> W_enc (the branch under φ, which the sparsity router reads), up -> W_up, down -> W_dec, with
+`expert_glu=True`. MoE-X's experts are ReLU; switching a GELU / SiLU MLP to ReLU changes the function, so it is an
+explicit option: build the spec with `activation="relu"` and pass `allow_activation_change=True`
+(`layer_from_dense(kind, ..., activation="relu")` does both). To see what the switch costs before training, splice
+the layers in and compare the cross-entropy, e.g.
 
-    layers = {i: layer_from_dense(kind, decoder_blocks(model)[i].mlp, "copy", activation="relu") for i in targets}
+    layers = {i: layer_from_dense(kind, decoder_blocks(model)[i].mlp, "copy", family=model.config.model_type,
+                                  activation="relu") for i in targets}
     with replaced_mlps(model, layers):          # conversion.capture
         ce = next_token_ce(model(ids).logits, ids)   # conversion.metrics
 """
@@ -36,10 +40,11 @@ import torch
 from torch import nn
 
 from expertize.modeling import MlpShape
-from expertize.modeling.sparse_base import ACTIVATIONS, SparseLayer, SparseSpec, canonical_activation
+from expertize.modeling.sparse_base import ACTIVATIONS, SparseLayer, canonical_activation
+from expertize.modeling.sparse_spec import SparseSpec
 from expertize.modeling.sparse_layers import LAYER_KINDS, build_sparse_layer
 
-from .families import mlp_layouts
+from .families import mlp_layout
 
 CLUSTERINGS = ("random", "balanced_kmeans")
 COPY_NOISE_STD = 0.01
@@ -112,31 +117,45 @@ def _bias(module: nn.Module) -> torch.Tensor | None:
     return None if module.bias is None else module.bias.detach()
 
 
-def dense_mlp(mlp: nn.Module) -> DenseMlp:
-    """Read a dense MLP of any supported family into one layout: the family whose `MlpLayout` (child names,
-    families.py) the module has, e.g. GPT-2's Conv1D c_fc / c_proj or the Llama-likes' gate_proj / up_proj /
-    down_proj."""
+def dense_mlp(mlp: nn.Module | DenseMlp, family: str | None = None) -> DenseMlp:
+    """Read a dense MLP into one layout by its family's `MlpLayout` (families.py): `family` is the model's model_type
+    (base or expertize), e.g. GPT-2's Conv1D c_fc / c_proj, the Llama-likes' gate_proj / up_proj / down_proj, Phi-3's
+    fused gate_up_proj / down_proj. A `DenseMlp` is returned as it is."""
     if isinstance(mlp, DenseMlp):
         return mlp
-    names = set(dict(mlp.named_children()))
-    layouts = mlp_layouts()
-    layout = next((layout for layout in layouts if set(layout.children) <= names), None)
-    if layout is None:
-        known = "; ".join(", ".join(layout.children) for layout in layouts)
+    if family is None:
+        raise ValueError(f"reading the dense MLP {type(mlp).__name__} needs its family: pass "
+                         "family=model.config.model_type (its MLP layout is the family's row in families.py)")
+    layout = mlp_layout(family)
+    missing = [name for name in layout.children if not hasattr(mlp, name)]
+    if missing:
         raise ValueError(
-            f"cannot read the dense MLP {type(mlp).__name__} (children {sorted(names)}): the supported families' "
-            f"MLPs have the children {known}"
+            f"cannot read the dense MLP {type(mlp).__name__} as a {family} MLP: it has no {', '.join(missing)} (its "
+            f"children: {', '.join(dict(mlp.named_children()))}); the {family} row of conversion/surgery/families.py "
+            "names another MLP layout"
         )
 
     def weight(name: str) -> torch.Tensor:  # (out, in), whatever the module stores
         w = getattr(mlp, name).weight.detach()
         return w.T if layout.transposed else w  # Conv1D stores (in, out)
 
+    w_in, b_in = weight(layout.w_in), _bias(getattr(mlp, layout.w_in))
     w_up = b_up = None
-    if layout.w_up is not None:
+    if layout.fused_halves is not None:  # one (2H, I) projection: its output rows are the two halves, in this order
+        gate = layout.fused_halves.index("gate")
+        w_in, w_up = _gate_and_up(w_in, gate)  # (H, I) each
+        b_in, b_up = (None, None) if b_in is None else _gate_and_up(b_in, gate)  # (H,) each
+    elif layout.w_up is not None:
         w_up, b_up = weight(layout.w_up), _bias(getattr(mlp, layout.w_up))
-    return DenseMlp(weight(layout.w_in), _bias(getattr(mlp, layout.w_in)), w_up, b_up, weight(layout.w_out),
-                    _bias(getattr(mlp, layout.w_out)), _activation_name(getattr(mlp, layout.activation)))
+    return DenseMlp(w_in, b_in, w_up, b_up, weight(layout.w_out), _bias(getattr(mlp, layout.w_out)),
+                    _activation_name(getattr(mlp, layout.activation)))
+
+
+def _gate_and_up(fused: torch.Tensor, gate: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused projection's weight (2H, I) or bias (2H,) -> (gate part, up part), each (H, ...): the halves of its
+    output as the MLP's `chunk(2, dim=-1)` takes them, the gate half at position `gate`."""
+    halves = fused.chunk(2, dim=0)
+    return halves[gate], halves[1 - gate]
 
 
 def _activation_name(act) -> str:
@@ -170,9 +189,9 @@ def _check_method(kind: str, method: str) -> None:
 
 def spec_for_dense(
     kind: str, mlp: nn.Module | MlpShape | DenseMlp, method: str, num_units: int | None = None,
-    k: int | None = None, **fields,
+    k: int | None = None, *, family: str | None = None, **fields,
 ) -> SparseSpec:
-    """A `kind` spec that holds a dense MLP (module, `MlpShape` or `DenseMlp`) exactly by `method`, for
+    """A `kind` spec that holds a dense MLP (module of `family`, `MlpShape` or `DenseMlp`) exactly by `method`, for
     `init_from_dense`: the spec's `dense_init_fields` (e.g. MoE-X split: d_expert = ceil(H / M), k = M and
     gate_scaling="none"; copy: d_expert = H, k = 2 and softmax gates). The activation, GLU form and biases default to
     the MLP's (for an `MlpShape`, biases are assumed for plain MLPs (GPT-2, Pythia) and absent for GLU ones
@@ -183,7 +202,7 @@ def spec_for_dense(
         dense = DenseShape(mlp.d_model, mlp.d_hidden, mlp.d_model, mlp.glu, not mlp.glu,
                            canonical_activation(mlp.activation))
     else:
-        dense = dense_mlp(mlp)
+        dense = dense_mlp(mlp, family)
     spec_cls = LAYER_KINDS[kind][0]
     return spec_cls(**{**spec_cls.dense_init_fields(method, dense, num_units=num_units, k=k), **fields})
 
@@ -276,6 +295,7 @@ def init_from_dense(
     mlp: nn.Module | DenseMlp,
     method: str,
     *,
+    family: str | None = None,
     clustering: str = "random",
     noise_std: float | None = None,
     seed: int = 0,
@@ -283,6 +303,7 @@ def init_from_dense(
 ) -> SparseLayer:
     """Overwrite `layer`'s weights with the dense MLP's (see the module docstring); returns it.
 
+    family: the model_type of the model `mlp` is from (its layout is the family's row; see `dense_mlp`).
     noise_std: Gaussian noise relative to std(W_in) where the layer puts it (MoE-X: every expert's W_enc); None means
     COPY_NOISE_STD for "copy" (ties must be broken) and 0 for "split" (keeps the function exact). clustering and seed
     choose the split partition (`partition_neurons(dense, groups, clustering, seed)` returns it); seed also draws the
@@ -292,7 +313,7 @@ def init_from_dense(
     std = (COPY_NOISE_STD if method == "copy" else 0.0) if noise_std is None else float(noise_std)
     if not std >= 0:
         raise ValueError(f"noise_std must be >= 0, got {noise_std}")
-    dense = dense_mlp(mlp)
+    dense = dense_mlp(mlp, family)
     _check_layer_fits(layer, dense, method, allow_activation_change)
     num_groups = layer.dense_init_groups
     if method == "split":
@@ -314,17 +335,19 @@ def layer_from_dense(
     num_units: int | None = None,
     k: int | None = None,
     *,
+    family: str | None = None,
     clustering: str = "random",
     noise_std: float | None = None,
     seed: int = 0,
     **fields,
 ) -> SparseLayer:
-    """Build a `kind` layer that starts as `mlp` in one call, on the MLP's device and dtype.
+    """Build a `kind` layer that starts as `mlp` (a module of the `family` model_type's MLP) in one call, on the MLP's
+    device and dtype.
 
     `fields` go to the spec (see `spec_for_dense`); an explicit `activation` other than the MLP's is taken as the
     deliberate switch (e.g. activation="relu" for MoE-X's ReLU experts).
     """
-    dense = dense_mlp(mlp)
+    dense = dense_mlp(mlp, family)
     spec = spec_for_dense(kind, dense, method, num_units, k, **fields)
     layer = build_sparse_layer(spec).to(device=dense.w_in.device, dtype=dense.w_in.dtype)
     return init_from_dense(

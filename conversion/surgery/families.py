@@ -6,7 +6,8 @@ causal_lm_class)`, with `.blocks_path`) is the one list of supported families; `
 the saved model never needs:
 
     lora          the attention projections healing adapts by default (PEFT suffixes), and whether they are Conv1D
-    mlp           the MLP's child names (`MlpLayout`): what dense_init.py reads to start a layer from the dense MLP
+    mlp           the MLP's child names and form (`MlpLayout`): what dense_init.py reads to start a layer from the
+                  dense MLP (two gated projections or one fused gate/up projection, as Phi-3's `gate_up_proj`)
     final_norm    where the final norm is and how it scales (`FinalNorm`; Gemma's RMSNorm scales by 1 + weight)
     positions     the config attribute that says how many positions the model reads
     logit_softcap the config attribute of a soft cap on the logits (Gemma 2: logits = cap · tanh(logits / cap))
@@ -37,7 +38,7 @@ __all__ = [
     "final_norm",
     "final_norm_scale",
     "lm_logits",
-    "mlp_layouts",
+    "mlp_layout",
     "mlp_shape",
     "model_positions",
 ]
@@ -48,22 +49,34 @@ EXPERTIZE_PREFIX = "expertize_"
 
 @dataclass(frozen=True)
 class MlpLayout:
-    """How a family's dense MLP names its weights: y = w_out(φ(w_in x) [* w_up x])."""
+    """How a family's dense MLP names its weights: y = w_out(φ(gate x) [* up x]), where gate is `w_in` and up is
+    `w_up` (two projections), or gate and up are the two halves of one fused projection `w_in` (`fused_halves`)."""
 
     w_in: str
-    """The projection under φ (GPT-2 `c_fc`, GPT-NeoX `dense_h_to_4h`, Llama-likes `gate_proj`)."""
+    """The projection under φ (GPT-2 `c_fc`, GPT-NeoX `dense_h_to_4h`, Llama-likes `gate_proj`), or the fused gate/up
+    projection (Phi-3 `gate_up_proj`)."""
     w_out: str
     """The output projection (`c_proj`, `dense_4h_to_h`, `down_proj`)."""
     w_up: str | None = None
-    """The linear branch of a gated (GLU) MLP (`up_proj`); None for a plain MLP."""
+    """The linear branch of a gated (GLU) MLP (`up_proj`); None for a plain MLP or a fused one."""
     activation: str = "act"
-    """The attribute holding φ (`act`, Llama-likes `act_fn`)."""
+    """The attribute holding φ (`act`, Llama-likes `act_fn`, Phi-3 `activation_fn`)."""
     transposed: bool = False
     """The projections are transformers `Conv1D` modules, whose weights are stored (in, out) (GPT-2)."""
+    fused_halves: tuple[str, str] | None = None
+    """A fused gated MLP: `w_in` is one projection (2H outputs) whose output the MLP chunks in two along its last
+    dimension; this names the halves in order, "gate" (under φ) and "up" (the linear branch). Phi-3's
+    `gate_up_proj`: ("gate", "up"). None: gate and up are separate modules (or the MLP is plain)."""
+
+    def __post_init__(self):
+        if self.fused_halves is not None and (sorted(self.fused_halves) != ["gate", "up"] or self.w_up is not None):
+            raise ValueError(f"MlpLayout.fused_halves must order 'gate' and 'up' (e.g. ('gate', 'up')) with w_up=None "
+                             f"(the fused projection holds both), got {self.fused_halves!r} and w_up={self.w_up!r}")
 
     @property
     def children(self) -> tuple[str, ...]:
-        return tuple(name for name in (self.w_in, self.w_up, self.w_out) if name is not None)
+        """The MLP's attributes dense_init reads: the projections and φ."""
+        return tuple(name for name in (self.w_in, self.w_up, self.w_out, self.activation) if name is not None)
 
 
 @dataclass(frozen=True)
@@ -100,6 +113,7 @@ class FamilyFacts:
 _GPT2_MLP = MlpLayout("c_fc", "c_proj", activation="act", transposed=True)
 _NEOX_MLP = MlpLayout("dense_h_to_4h", "dense_4h_to_h", activation="act")
 _GATED_MLP = MlpLayout("gate_proj", "down_proj", w_up="up_proj", activation="act_fn")
+_FUSED_GATED_MLP = MlpLayout("gate_up_proj", "down_proj", activation="activation_fn", fused_halves=("gate", "up"))
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _RMS_NORM = FinalNorm("model.norm", centres=False)
 _LLAMA_LIKE = FamilyFacts(_ATTENTION, _GATED_MLP, _RMS_NORM)
@@ -118,6 +132,11 @@ _FACTS: dict[str, FamilyFacts] = {
     "olmo2": _LLAMA_LIKE,  # no norm before the MLP: it reads the residual stream itself (capture hooks the MLP)
     "gemma2": _GEMMA,
     "gemma3_text": _GEMMA,
+    # Phi-3: Llama's block, with fused attention (qkv_proj) and MLP (gate_up_proj: gate half first) projections.
+    "phi3": FamilyFacts(("qkv_proj", "o_proj"), _FUSED_GATED_MLP, _RMS_NORM),
+    # StableLM: Llama's names, LayerNorms (the final one centres); stablelm-2-12b's parallel residual feeds the MLP
+    # the attention's input norm, which capture reads at the MLP either way.
+    "stablelm": FamilyFacts(_ATTENTION, _GATED_MLP, FinalNorm("model.norm", centres=True)),
 }
 
 _POSITION_ATTRIBUTES = ("n_positions", "max_position_embeddings", "n_ctx")
@@ -171,13 +190,9 @@ def conv1d_attention(family: str) -> bool:
     return family_facts(family).conv1d_attention
 
 
-def mlp_layouts() -> list[MlpLayout]:
-    """The distinct MLP layouts of the supported families (what dense_init can read), in table order."""
-    layouts: list[MlpLayout] = []
-    for facts in _FACTS.values():
-        if facts.mlp not in layouts:
-            layouts.append(facts.mlp)
-    return layouts
+def mlp_layout(model_type: str) -> MlpLayout:
+    """The MLP layout of a base or expertize model_type's family (what dense_init reads its dense MLP by)."""
+    return family_facts(model_type).mlp
 
 
 def final_norm(model: nn.Module) -> nn.Module:

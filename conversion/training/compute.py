@@ -108,7 +108,7 @@ def compile_layers(module: nn.Module, enabled: bool, backend: str = "inductor") 
     """`module` with its forward compiled by torch.compile when `enabled`, else unchanged. Only the bound `forward` is
     replaced, so the parameters, state-dict keys and the submodules' hooks stay as they are.
 
-    The sparse kernels' backward (modeling/sparse_base.py: an embedding_bag's own backward through
+    The sparse kernels' backward (modeling/sparse_kernels.py: an embedding_bag's own backward through
     `torch.autograd.grad`) is traced too, with dynamo's `trace_autograd_ops` set for the compiled call only (without
     it every `LinearReluTopK` would break the graph and run eagerly)."""
     if not enabled:
