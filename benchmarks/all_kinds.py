@@ -207,7 +207,7 @@ def where_it_failed(error: BaseException) -> str:
 
 def trained_layer(run_dir: Path, layer: int):
     """The trained sparse layer of a finished run, from its saved model folder."""
-    from expertize.conversion.data.capture import decoder_blocks
+    from expertize.conversion.data.mlp_pairs import decoder_blocks
     from expertize.conversion.surgery.splice import load_expertize_model
 
     model = load_expertize_model(run_dir)
@@ -333,7 +333,7 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from expertize.conversion.data.capture import MlpCapture, decoder_blocks
+    from expertize.conversion.data.mlp_pairs import MlpCapture, decoder_blocks
     from expertize.conversion.data.text import load_eval_sequences
     from expertize.conversion.recipe import recipe_from_dict
     from expertize.conversion.recipe.schema import TrainConfig

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from _runs import run_upcycle
 
-from expertize.conversion.data.capture import MlpCapture
+from expertize.conversion.data.mlp_pairs import MlpCapture
 from expertize.conversion.data.text import load_eval_sequences
 from expertize.conversion.preflight import load_tokenizer
 from expertize.conversion.recipe import load_recipe, recipe_to_dict

@@ -48,7 +48,7 @@ def main() -> None:
     from sparsify import SparseCoder
     from transformers import AutoTokenizer
 
-    from expertize.conversion.data.capture import MlpCapture
+    from expertize.conversion.data.mlp_pairs import MlpCapture
     from expertize.conversion.export.coders import export_coders
     from expertize.conversion.inspection.corpora import corpus_sequences
     from expertize.conversion.surgery.splice import load_expertize_model

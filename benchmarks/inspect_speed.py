@@ -59,7 +59,7 @@ def child(args) -> None:
     """One row, in this process: prints a JSON line with seconds per pass and the peak memory."""
     from expertize.conversion.inspection import InspectionSettings, collect_stats
     from expertize.conversion.inspection.corpora import corpus_sequences
-    from expertize.conversion.inspection.folder import load_for_inspection, token_texts
+    from expertize.conversion.inspection.from_folder import load_for_inspection, token_texts
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_for_inspection(args.model_dir)

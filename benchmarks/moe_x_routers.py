@@ -224,7 +224,7 @@ def analyze_layer(layer, x: torch.Tensor, seq_len: int) -> dict:
 @torch.no_grad()
 def capture_inputs(model, layer_ids: list[int], sequences: torch.Tensor, batch: int = 16) -> dict[int, torch.Tensor]:
     """MLP inputs (T, I) at `layer_ids` of `model` on `sequences` (S, L)."""
-    from expertize.conversion.data.capture import MlpCapture
+    from expertize.conversion.data.mlp_pairs import MlpCapture
 
     capture = MlpCapture(model, layer_ids)
     parts: dict[int, list[torch.Tensor]] = {i: [] for i in layer_ids}
@@ -238,7 +238,7 @@ def init_layers(tree: dict, base, layer_ids: list[int]) -> dict:
     """The variant's layers at initialization: the same spec and split partition (seed + layer) as `upcycle`, so the
     same W_enc, b_enc, W_dec; the switch router's random W_router may differ from upcycle's (only the score, which
     reads W_enc and b_enc, is reported at init)."""
-    from expertize.conversion.data.capture import decoder_blocks
+    from expertize.conversion.data.mlp_pairs import decoder_blocks
     from expertize.conversion.surgery.dense_init import init_moe_from_dense
     from expertize.conversion.recipe import recipe_from_dict, resolve_layer_spec
     from expertize.modeling import FAMILIES, build_sparse_layer

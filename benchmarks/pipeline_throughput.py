@@ -66,7 +66,7 @@ import torch
 
 from _timing import Seconds, synchronize, timed
 from expertize.conversion import upcycle as up
-from expertize.conversion.data.capture import excluded_token_ids, kept_positions
+from expertize.conversion.data.mlp_pairs import excluded_token_ids, kept_positions
 from expertize.conversion.data.text import iter_sequences
 from expertize.conversion.preflight import plan_run, plan_variants
 from expertize.conversion.publishing.run_folder import RunFolder

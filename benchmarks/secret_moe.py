@@ -187,7 +187,7 @@ def equivalence_check(activation: str) -> str:
 
 def capture_pairs(base, tokenizer, data_cfg, layer: int, split: str, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) = (MLP input, MLP output) at `layer` on the first `tokens` tokens of the split, (tokens, d) each."""
-    from expertize.conversion.data.capture import MlpCapture
+    from expertize.conversion.data.mlp_pairs import MlpCapture
     from expertize.conversion.data.text import batch_sequences, iter_sequences, load_eval_sequences
 
     capture = MlpCapture(base, [layer])
@@ -300,7 +300,7 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from expertize.conversion.data.capture import decoder_blocks
+    from expertize.conversion.data.mlp_pairs import decoder_blocks
     from expertize.conversion.recipe.data import DataConfig
     from expertize.conversion.surgery.splice import load_base_model
     from transformers import AutoTokenizer

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from .checks import check_output_location
 from .data.cache import CACHE_MANIFEST, SHARD_BYTES, STORAGE_DTYPES, CacheError, ShardWriter, cache_manifest
-from .data.capture import MlpCapture, capture_batch_size
+from .data.mlp_pairs import MlpCapture, capture_batch_size
 from .data.text import batch_sequences
 from .data.token_cache import train_sequences
 from .preflight import plan_run

@@ -215,7 +215,7 @@ def output_bytes(plans: list[RunPlan]) -> int:
 
 def plan_run(recipe: Recipe, *, world_size: int = 1, check_layer_memory: bool = True) -> RunPlan:
     """Resolve and check everything about `recipe` that needs no training; raises ExpertizeError on a problem."""
-    from .data.check import check_data
+    from .data.corpus_check import check_data
     from .training.compute import check_precision
     from .training.device import resolve_device
 

@@ -30,7 +30,7 @@ from expertize.modeling import SparseLayer, build_sparse_layer
 
 from .data.activations import ActivationBatches
 from .data.cache import cached_batches, open_matching_cache
-from .data.capture import MlpCapture, capture_batch_size, excluded_token_ids
+from .data.mlp_pairs import MlpCapture, capture_batch_size, excluded_token_ids
 from .data.separators import check_separators
 from .data.text import load_eval_sequences, stream_train_tokens
 from .data.token_cache import train_sequences

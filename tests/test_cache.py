@@ -15,7 +15,7 @@ from expertize.conversion.capture import capture_activations
 from expertize.conversion.data.cache import (
     CACHE_MANIFEST, ActivationCache, CacheError, CacheMismatch, CachedActivationBatches, cached_batches,
 )
-from expertize.conversion.data.capture import MlpCapture
+from expertize.conversion.data.mlp_pairs import MlpCapture
 from expertize.conversion.recipe import recipe_from_dict
 from expertize.conversion.surgery.splice import load_base_model
 from expertize.conversion.upcycle import activation_batches, upcycle

@@ -1,4 +1,4 @@
-"""The speed settings (conversion/training/compute.py, data/capture.py): fused AdamW and the compiled step give the
+"""The speed settings (conversion/training/compute.py, data/mlp_pairs.py): fused AdamW and the compiled step give the
 eager step's loss and gradients within stated bounds, TF32 is scoped and restored, a bf16 capture is a recorded and
 refused-where-impossible choice, the capture batch rule, and provenance.json's "compute" record."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from expertize.conversion.data.capture import (
+from expertize.conversion.data.mlp_pairs import (
     CPU_CAPTURE_SEQUENCES, MAX_CAPTURE_TOKENS, MlpCapture, capture_batch_size, forward_bytes_per_sequence,
 )
 from expertize.conversion.errors import ExpertizeError

@@ -13,7 +13,7 @@ from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, pr
 from transformers import PreTrainedTokenizerFast
 
 from expertize.conversion.data.activations import ActivationBatches
-from expertize.conversion.data.check import check_data
+from expertize.conversion.data.corpus_check import check_data
 from expertize.conversion.data.text import (
     DataError,
     batch_sequences,

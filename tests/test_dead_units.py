@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from expertize.conversion.data.activations import ActivationBatches
-from expertize.conversion.data.capture import excluded_token_ids, kept_positions
+from expertize.conversion.data.mlp_pairs import excluded_token_ids, kept_positions
 from expertize.conversion.data.text import iter_sequences, load_eval_sequences
 from expertize.conversion.recipe.data import DataConfig
 from expertize.conversion.evaluation.evaluate import evaluate_sparse_layers
@@ -286,7 +286,7 @@ def test_a_bos_only_spike_changes_neither_the_training_nor_the_reconstruction_me
     eval_ids = load_eval_sequences(cfg, tokenizer)
 
     def run(spike: bool, exclude):
-        from expertize.conversion.data.capture import MlpCapture
+        from expertize.conversion.data.mlp_pairs import MlpCapture
 
         handles = _spike_bos(base, 1, tokenizer.bos_token_id) if spike else []
         try:

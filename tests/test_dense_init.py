@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from expertize.conversion.data.capture import decoder_blocks
+from expertize.conversion.data.mlp_pairs import decoder_blocks
 from expertize.conversion.surgery.dense_init import (
     dense_mlp,
     init_from_dense,

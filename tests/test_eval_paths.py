@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from expertize.conversion.data.check import check_data
+from expertize.conversion.data.corpus_check import check_data
 from expertize.conversion.data.documents import DataError
 from expertize.conversion.data.text import load_eval_sequences, pack_sequences, split_documents
 from expertize.conversion.recipe.data import DataConfig

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from expertize.conversion.data.capture import MlpCapture, decoder_blocks
+from expertize.conversion.data.mlp_pairs import MlpCapture, decoder_blocks
 from expertize.conversion.evaluation.evaluate import evaluate_sparse_layers, generation_match_curve
 from expertize.conversion.evaluation.metrics import ReconstructionStats
 from expertize.conversion.training.losses import (

@@ -15,7 +15,7 @@ import yaml
 from transformers import AutoModel
 
 from expertize.conversion.cli import main
-from expertize.conversion.export import folder as export_folder_module
+from expertize.conversion.export import endpoints as export_folder_module
 from expertize.conversion.export.expressible import exportable_kinds, hookpoint
 from expertize.conversion.recipe import recipe_from_dict
 from expertize.conversion.surgery.splice import load_expertize_model

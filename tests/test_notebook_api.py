@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import expertize
-from expertize.conversion.inspection.folder import checked_folder
+from expertize.conversion.inspection.from_folder import checked_folder
 from expertize.conversion.recipe import assets_dir
 from expertize.modeling import SparseCode, TranscoderSpec, build_sparse_layer
 from tests.conftest import tiny_base_model

@@ -72,7 +72,7 @@ def test_the_warning_names_the_numbers_and_the_reading_that_fixes_it(tmp_path):
 def test_the_fix_the_warning_names_gives_a_run_that_reads_clean(tmp_path):
     """Issue 39: every warning's fix, applied as written, works: the stream reading is accepted by the data checks
     (before: its held-out split was refused as empty) and inserts nothing the base must predict."""
-    from expertize.conversion.data.check import check_data
+    from expertize.conversion.data.corpus_check import check_data
 
     path = write_corpus(tmp_path / "c.txt", 200)
     stream = DataConfig(paths=[str(path)], context_length=16, eval_fraction=0.3, train_tokens=256, eval_tokens=64,

@@ -32,7 +32,7 @@ from collections.abc import Callable, Collection, Iterator
 
 import torch
 
-from .capture import MlpCapture, kept_positions
+from .mlp_pairs import MlpCapture, kept_positions
 
 Batch = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (x, y), each (tokens, d_model)
 

@@ -46,7 +46,7 @@ import torch
 
 from ..errors import ExpertizeError, RunFailed
 from .activations import ActivationBatches, Batch, to_device
-from .capture import kept_positions
+from .mlp_pairs import kept_positions
 from .documents import file_format
 from ..recipe.data import token_budget_to_sequences
 from .text import resolve_paths, stream_sequences
@@ -385,7 +385,7 @@ def cached_batches(
     *, rank: int = 0, world_size: int = 1,
 ) -> CachedActivationBatches:
     """`upcycle.activation_batches`' stream, read from `cache` (same arguments after it)."""
-    from .capture import excluded_token_ids
+    from .mlp_pairs import excluded_token_ids
 
     train, data = recipe.train, recipe.data
     return CachedActivationBatches(

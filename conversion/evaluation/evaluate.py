@@ -25,7 +25,7 @@ from torch import nn
 
 from expertize.modeling import SparseLayer
 
-from ..data.capture import kept_positions, replaced_mlps
+from ..data.mlp_pairs import kept_positions, replaced_mlps
 from .code_probe import CodeProbe
 from .shared_passes import AblationMemo, base_pass, base_pass_bytes, memo_key
 from .health import InEffect, code_health
@@ -240,7 +240,7 @@ def evaluate_sparse_layers(
     train: the recipe's `train:` section the layers were trained with; the code-health warnings then leave out the
     fixes it already used (health.InEffect). None: the general advice.
 
-    exclude_token_ids: positions holding one of these tokens (`data.capture.excluded_token_ids`: the special tokens)
+    exclude_token_ids: positions holding one of these tokens (`data.mlp_pairs.excluded_token_ids`: the special tokens)
     are left out of the reconstruction metrics (NMSE, FVU, MSE, L0, dead units, firing histogram); CE, KL and the
     ablations always cover every position. Recorded under `reconstruction_positions`.
 

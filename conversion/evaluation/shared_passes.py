@@ -8,7 +8,7 @@ import hashlib
 import torch
 from torch import nn
 
-from ..data.capture import MlpCapture
+from ..data.mlp_pairs import MlpCapture
 
 BASE_MEMO_BYTES = 3 << 30
 """The base forwards' results (logits and MLP pairs) an AblationMemo keeps for the next variant, at most."""

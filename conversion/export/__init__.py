@@ -3,7 +3,7 @@ analyse with (docs/export.md).
 
     expressible.py      what a sparse-coder format can hold (TopK coders, no choice-changing selection bias) and
                         the hookpoint of a layer in the base model: the one rule every target asks
-    folder.py           the source folder (checked, its base model named) and the output, written whole or not at all
+    endpoints.py        the source folder (checked, its base model named) and the output, written whole or not at all
     sparsify.py         EleutherAI sparsify: <hookpoint>/cfg.json + sae.safetensors
     circuit_tracer.py   circuit-tracer: config.yaml + layer_{i}.safetensors at every layer (TopK without ReLU made
                         exact by K zero latents)

@@ -4,7 +4,7 @@ import os
 from pathlib import Path
 
 from .expressible import ExportError, coder_layers, planned_coders
-from .folder import EXPORT_RECORD, base_model_name, checked_source, staged_output
+from .endpoints import EXPORT_RECORD, base_model_name, checked_source, staged_output
 
 __all__ = ["CODER_TARGETS", "export_coders"]
 

@@ -28,7 +28,7 @@ import torch
 from safetensors.numpy import save_file
 
 from .expressible import ExportError, hookpoint
-from .folder import base_model_name, checked_source, staged_output
+from .endpoints import base_model_name, checked_source, staged_output
 
 __all__ = ["delphi_cache_from_folder", "export_delphi", "split_ranges"]
 

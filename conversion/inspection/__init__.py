@@ -6,7 +6,7 @@
     effects.py   output directions through the final norm and unembedding
     routing.py   load per expert and router entropy of router kinds
     corpora.py   named corpora (.txt / .jsonl) -> packed token sequences
-    folder.py    from a model folder: load, read the corpora, run the pass
+    from_folder.py  from a model folder: load, read the corpora, run the pass
     report.py    layer_<i>.json, its JSON schema and validator
     html.py      the offline explorer index.html (template: explorer.html)
     prompt.py    the per-prompt view
@@ -14,7 +14,7 @@
 """
 
 from .corpora import InspectionError, corpus_sequences, parse_corpora
-from .folder import inspect_folder, load_for_inspection, prompt_ids, report_bytes, token_texts
+from .from_folder import inspect_folder, load_for_inspection, prompt_ids, report_bytes, token_texts
 from .prompt import PromptView, format_prompt_view, prompt_view
 from .report import LAYER_SCHEMA, SchemaError, layer_report, validate, write_reports
 from .stats import InspectionSettings, InspectionStats, LayerStats, collect_stats

@@ -25,7 +25,7 @@ __all__ = ["TextCodes", "decode", "load_model", "text_codes"]
 def load_model(model_dir: str | os.PathLike, device: "str | torch.device" = "cpu", dtype: torch.dtype | None = None):
     """(model, tokenizer) of a saved expertize folder, in eval mode on `device` (and `dtype`, default the saved one),
     after the checks every command makes (a whole model folder with sparse layers and a tokenizer)."""
-    from .folder import load_for_inspection
+    from .from_folder import load_for_inspection
 
     model, tokenizer = load_for_inspection(model_dir, device)
     return (model if dtype is None else model.to(dtype)), tokenizer
@@ -54,7 +54,7 @@ def text_codes(model, tokenizer, text: str, layers: list[int] | None = None) -> 
     """Run `text` through `model` once and keep, for each sparse layer (or `layers`), its input, its code and its
     output per token."""
     from ..checks import model_positions
-    from .folder import prompt_ids, token_texts
+    from .from_folder import prompt_ids, token_texts
 
     sparse = model.sparse_layers()
     chosen = sorted(sparse) if layers is None else list(layers)

@@ -84,7 +84,7 @@ class TrainConfig:
     capture_batch_sequences: int | Literal["auto"] = "auto"
     """Sequences per base-model forward when capturing activations: "auto" = on a GPU, the largest power of two
     whose forward fits in a quarter of the free memory, up to 65,536 tokens per forward; on a CPU 32
-    (data/capture.py's `capture_batch_size`); or a number, used as given."""
+    (data/mlp_pairs.py's `capture_batch_size`); or a number, used as given."""
 
     capture_precision: Literal["fp32", "bf16"] = "fp32"
     """Arithmetic of the base model's capture forward: "fp32" (MxD paper) or "bf16" autocast (the weights stay in

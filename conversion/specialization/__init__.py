@@ -10,13 +10,13 @@
     probing.py     SAEBench-style sparse probing: signed-mean-difference selection, 1-D and k-sparse probes, F1
     steering.py    add λ to a domain's unit at every position: CE drop on its domain vs the others, random control
     report.py      `specialize(model, fit, held, ...)` -> SpecializationReport (summary row, JSON, text)
-    folder.py      from a model folder and named corpora
+    from_folder.py from a model folder and named corpora
 """
 
 from .bootstrap import Estimate, document_weights, significant
 from .conditions import Condition, DomainCE, condition_ce
 from .errors import SpecializationError
-from .folder import specialize_folder, split_corpora
+from .from_folder import specialize_folder, split_corpora
 from .masking import MaskingPlan, MaskingRow, assign_units, masking_rows, plan_masking, random_live_units, specificity
 from .passes import CodePooler, mean_ce, pooled_codes, pooled_dense
 from .probing import ProbeResult, binary_f1, probe_domains, select_units, weighted_f1

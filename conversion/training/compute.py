@@ -5,9 +5,9 @@ which arithmetic produced it.
     train.tf32                 fp32 matmuls on a CUDA GPU with TF32 tensor cores (compute capability 8.0 and up:
                                A100, H100, ...) run in TF32 while capturing and training (`matmul_precision`);
                                the evaluation always runs in full fp32. No effect on a CPU.
-    train.capture_precision    "bf16": the base model's capture forward under bf16 autocast (data/capture.py's
+    train.capture_precision    "bf16": the base model's capture forward under bf16 autocast (data/mlp_pairs.py's
                                `MlpCapture`); the pairs are handed on in the base model's dtype
-    train.capture_batch_sequences: auto   sequences per capture forward from the device's memory (data/capture.py)
+    train.capture_batch_sequences: auto   sequences per capture forward from the device's memory (data/mlp_pairs.py)
     train.compile              torch.compile of the sparse layers' forward (`compile_layers`)
     AdamW                      `fused=True` wherever torch has the fused kernel for the parameters' device (CUDA,
                                CPU): one kernel per step instead of a loop over parameters (`make_adamw`)

@@ -58,7 +58,7 @@ def specialize_folder(
     of the packing (data/run_reading.TextReading); default: as the folder's run read its text, with a warning when
     the model never saw the tokens it inserts."""
     from ..checks import check_context_length, resolve_device
-    from ..inspection.folder import _load_model, checked_folder
+    from ..inspection.from_folder import _load_model, checked_folder
     from ..data.run_reading import TextReading, warn_if_unread
     from ..progress import stage_bar
     from ..recipe.data import DataConfig
