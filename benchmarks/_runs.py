@@ -27,6 +27,20 @@ def run_upcycle(tree: dict, source: str) -> tuple[dict, float | None, list[str]]
     return json.loads((out / METRICS).read_text(encoding="utf-8")), seconds, _distinct_warnings(caught)
 
 
+def load_rows(paths: str, key) -> tuple[list[dict], str]:
+    """The rows of comma-separated rows.json files (a benchmark's --from-rows) and their budget lines joined; a row
+    whose `key(row)` an earlier file already gave is read once (a run folder listed twice)."""
+    rows, seen, budgets = [], set(), []
+    for path in paths.split(","):
+        saved = json.loads(Path(path).read_text(encoding="utf-8"))
+        budgets.append(saved["budget"])
+        for r in saved["rows"]:
+            if key(r) not in seen:
+                seen.add(key(r))
+                rows.append(r)
+    return rows, "; ".join(dict.fromkeys(budgets))
+
+
 def _distinct_warnings(caught: list) -> list[str]:
     """The distinct messages of recorded warnings, "Category: message", in order."""
     messages = []

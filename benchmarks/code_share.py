@@ -51,8 +51,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from _runs import run_variants
+from _runs import load_rows, run_variants
 from dead_units import TRAIN, ensure_cache, model_tree
+from dead_units import collect as dead_units_rows
 from specialization_claims import format_value, seed_interval
 
 SHARE_TARGET = 0.5
@@ -127,14 +128,13 @@ def run_tree(name: str, args, budget: int, seed: int, root: Path) -> tuple[dict,
 
 
 def collect(metrics_of: dict, settings: list[dict]) -> list[dict]:
-    rows = []
-    for s in settings:
-        metrics = metrics_of[s["name"]]
+    """dead_units.py's rows (units, dead, FVU, L0, KL, ΔCE) with the code's share of the layer and the resolved lr."""
+    rows = dead_units_rows(metrics_of, settings)
+    for row in rows:
+        metrics = metrics_of[row["name"]]
         (m,) = metrics["layers"].values()
-        rows.append({**s, "units": m["num_units"], "dead": m["dead_fraction"], "fvu": m["fvu"], "l0": m["l0"],
-                     "fvu_mean_code": m.get("fvu_mean_code"), "share": m.get("code_share"),
-                     "kl": metrics["ce"]["kl_base_spliced"], "delta_ce": metrics["ce"]["delta"],
-                     "lr": metrics.get("train", {}).get("lr")})
+        row.update(fvu_mean_code=m.get("fvu_mean_code"), share=m.get("code_share"),
+                   lr=metrics.get("train", {}).get("lr"))
     return rows
 
 
@@ -279,16 +279,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     if args.from_rows:
-        rows, seen, budgets = [], set(), []
-        for path in args.from_rows.split(","):
-            saved = json.loads(Path(path).read_text(encoding="utf-8"))
-            budgets.append(saved["budget"])
-            for r in saved["rows"]:
-                key = (r["model"], r["budget"], r["k"], r["variant"], r["seed"])
-                if key not in seen:
-                    seen.add(key)
-                    rows.append(r)
-        budget_line = "; ".join(dict.fromkeys(budgets))
+        rows, budget_line = load_rows(args.from_rows, lambda r: (r["model"], r["budget"], r["k"], r["variant"],
+                                                                  r["seed"]))
     else:
         bad = [v for v in args.variants.split(",") if v not in VARIANTS] + [
             m for m in args.models.split(",") if m not in MODELS]

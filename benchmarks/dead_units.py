@@ -51,7 +51,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _runs import run_variants, text_data
+from _runs import load_rows, run_variants, text_data
 from specialization_claims import format_value, seed_interval
 
 METHODS = {
@@ -318,15 +318,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     if args.from_rows:
-        rows, budgets, seen = [], [], set()
-        for path in args.from_rows.split(","):
-            saved = json.loads(Path(path).read_text(encoding="utf-8"))
-            budgets.append(saved["budget"])
-            for r in saved["rows"]:
-                if (*_key(r), r["seed"]) not in seen:
-                    seen.add((*_key(r), r["seed"]))
-                    rows.append(r)
-        budget = "; ".join(dict.fromkeys(budgets))
+        rows, budget = load_rows(args.from_rows, lambda r: (*_key(r), r["seed"]))
     else:
         bad = ([m for m in args.methods.split(",") if m not in METHODS]
                + [m for m in args.models.split(",") if m not in MODELS]

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _runs import run_variants
+from _runs import load_rows, run_variants
 from code_share import BUDGETS, EVAL_TOKENS, MODELS, _cell
 from code_share import collect as collect_rows
 from dead_units import TRAIN, ensure_cache, model_tree
@@ -128,12 +128,8 @@ def main() -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.from_rows:
-        rows, budgets = [], []
-        for path in args.from_rows.split(","):
-            saved = json.loads(Path(path).read_text(encoding="utf-8"))
-            rows += saved["rows"]
-            budgets.append(saved["budget"])
-        budget_line = "; ".join(dict.fromkeys(budgets))
+        rows, budget_line = load_rows(args.from_rows, lambda r: (r["model"], r["budget"], r["kind"], r["schedule"],
+                                                                  r["seed"]))
     else:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         root = Path(args.runs_dir) if args.runs_dir else Path(tempfile.mkdtemp(prefix="expertize-schedule-"))

@@ -18,7 +18,7 @@ import yaml
 
 from ..errors import ExpertizeWarning
 from ..recipe.data import DataConfig
-from .separators import PROBE_SEQUENCES, SeparatorCost, matches, separator_cost
+from .separators import PROBE_SEQUENCES, SeparatorCost, insertion_place, matches, reading_cost
 from .text import inserted_token_id, resolve_add_bos
 
 __all__ = ["TextReading", "warn_if_unread"]
@@ -88,24 +88,20 @@ def _bos_flag(value: str | None) -> str | bool | None:
 
 def warn_if_unread(reading: TextReading, cfg: DataConfig, tokenizer, model, sequences: torch.Tensor,
                    where: str) -> SeparatorCost | None:
-    """Warn (ExpertizeWarning) when `model` pays far more on the tokens `reading` inserts into `sequences` (S, T) than
-    on the text, as `upcycle` warns about its own reading; the measured cost (None: nothing is inserted)."""
-    inserted = inserted_token_id(reading.document_marker, tokenizer)
-    if inserted is None:
-        return None
-    cost = separator_cost(model, sequences[:PROBE_SEQUENCES], inserted)
-    if not matches(cost):
-        token = tokenizer.convert_ids_to_tokens(inserted)
-        where_in = "before" if reading.document_marker == "bos" else "after"
-        unit = {"line": "line", "blank_line": "blank-line block", "file": "file"}.get(cfg.document_separator,
-                                                                                     "document")
+    """Warn (ExpertizeWarning) when `model` pays far more on the tokens `reading` inserts into `sequences` (S, T),
+    packed as `cfg` (one corpus read `reading`'s way) says, than on the text, as `upcycle` warns about its own
+    reading; the measured cost (None: nothing is inserted)."""
+    probe = sequences[:PROBE_SEQUENCES]
+    cost = reading_cost(cfg, tokenizer, model, probe=lambda *_: probe)
+    if cost is not None and not matches(cost):
+        token = tokenizer.convert_ids_to_tokens(inserted_token_id(cfg.document_marker, tokenizer))
         warnings.warn(
-            f"{where}: the model's CE on the {token!r} inserted {where_in} every {unit} is {cost.inserted_ce:.1f} nats "
+            f"{where}: the model's CE on the {token!r} inserted {insertion_place(cfg)} is {cost.inserted_ce:.1f} nats "
             f"against {cost.other_ce:.2f} on the other tokens ({cost.inserted} and {cost.others} targets of the first "
-            f"{min(len(sequences), PROBE_SEQUENCES)} sequences): it was not trained on text read this way, so what "
-            f"is measured on these tokens is not what it does on its own text. Reading: {reading.describe()}; read "
-            "the corpus as its base was trained with --add-bos, --document-marker and --document-separator (one raw "
-            "stream: --add-bos false --document-separator file; llama2.c: --document-marker bos --add-bos false)",
+            f"{len(probe)} sequences): it was not trained on text read this way, so what is measured on these tokens "
+            f"is not what it does on its own text. Reading: {reading.describe()}; read the corpus as its base was "
+            "trained with --add-bos, --document-marker and --document-separator (one raw stream: --add-bos false "
+            "--document-separator file; llama2.c: --document-marker bos --add-bos false)",
             ExpertizeWarning, stacklevel=2,
         )
     return cost

@@ -23,7 +23,7 @@ from torch.nn import functional as F
 from ..recipe.data import DataConfig
 from .text import inserted_token_id, pack_sequences, split_documents
 
-__all__ = ["BOS_READING", "GAP_NATS", "PROBE_SEQUENCES", "SeparatorCost", "check_separators", "matches",
+__all__ = ["BOS_READING", "GAP_NATS", "PROBE_SEQUENCES", "SeparatorCost", "check_separators", "insertion_place", "matches",
            "probe_sequences", "reading_cost", "reading_warning", "separator_cost", "separator_warning"]
 
 PROBE_SEQUENCES = 8
@@ -90,6 +90,12 @@ STREAM_FIX = ("data.add_bos: false, data.document_separator: file and data.eval_
               "its end held out; or give held-out files in data.eval_paths)")
 
 
+def insertion_place(cfg: DataConfig) -> str:
+    """Where the reading inserts its token, for messages: "after every line", "before every document", ..."""
+    unit = {"line": "line", "blank_line": "blank-line block", "file": "file"}.get(cfg.document_separator, "document")
+    return f"{'before' if cfg.document_marker == 'bos' else 'after'} every {unit}"
+
+
 def separator_warning(cost: SeparatorCost, cfg: DataConfig, token: str, bos_reading: SeparatorCost | None = None
                       ) -> str | None:
     """One line when the inserted tokens cost the base `GAP_NATS` more than the rest (None otherwise): what it means
@@ -97,8 +103,6 @@ def separator_warning(cost: SeparatorCost, cfg: DataConfig, token: str, bos_read
     document (`BOS_READING`); recommended when the base reads that as its own."""
     if matches(cost):
         return None
-    unit = {"line": "line", "blank_line": "blank-line block", "file": "file"}.get(cfg.document_separator, "document")
-    where = "before" if cfg.document_marker == "bos" else "after"
     measured = bos_reading is not None and bos_reading.inserted >= MIN_INSERTED
     if measured and bos_reading.gap < GAP_NATS:
         fix = (f"its documents start with BOS and no EOS (llama2.c's reading: {bos_reading.inserted_ce:.2f} nats on "
@@ -112,7 +116,7 @@ def separator_warning(cost: SeparatorCost, cfg: DataConfig, token: str, bos_read
         fix = (f"{tried}if it was trained on the raw file, read it as one stream: {stream}{bos}; documents cut off "
                "mid-text (samples of a fixed length) cost this under any reading")
     return (
-        f"warning: data: the base model's CE on the {token!r} inserted {where} every {unit} is "
+        f"warning: data: the base model's CE on the {token!r} inserted {insertion_place(cfg)} is "
         f"{cost.inserted_ce:.1f} nats against {cost.other_ce:.2f} on the other tokens ({cost.inserted} and "
         f"{cost.others} targets of {PROBE_SEQUENCES} held-out sequences; they add {cost.excess:.2f} nats to its mean "
         f"CE): it was not trained on text read this way, so its CE and every ΔCE / KL measure text it does not "

@@ -81,8 +81,8 @@ def specialize_folder(
                                              eval_fraction, settings.seed, eval_corpora, document_tokens, reading)
         model = _load_model(model_dir, device)
         first = next(iter(held))
-        where = DataConfig(source="hub", name=first, document_separator="line")  # for the message's unit only
-        warn_if_unread(reading, reading.apply(where), tokenizer, model, held[first], f"--corpus {first}")
+        packed_as = reading.apply(DataConfig(source="hub", name=first))  # the hub form pack_with_documents reads
+        warn_if_unread(reading, packed_as, tokenizer, model, held[first], f"--corpus {first}")
         base_model = None if base is None else load_base_model(str(base)).to(device).eval()
         special = [i for i in tokenizer.all_special_ids if i is not None]
         return specialize(model, fit, held, special, settings, layer=layer, base_model=base_model, stage=stage,
