@@ -53,7 +53,7 @@ class _Stream:
 
 def _trainer(spec: dict, method: str, batch: dict, folder: Path, steps: int):
     from expertize.conversion.recipe import TrainConfig
-    from expertize.conversion.training.device import make_accelerator
+    from expertize.conversion.device import make_accelerator
     from expertize.conversion.training.distill import Trainer
     from expertize.modeling import build_sparse_layer
 

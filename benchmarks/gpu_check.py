@@ -62,7 +62,7 @@ from expertize.conversion.preflight import plan_run
 from expertize.conversion.recipe import load_recipe
 from expertize.conversion.recipe.layer_config import LayerConfig
 from expertize.conversion.recipe.layer_spec import resolve_layer_spec
-from expertize.conversion.training.device import make_accelerator
+from expertize.conversion.device import make_accelerator
 from expertize.modeling import MlpShape, build_sparse_layer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -72,7 +72,7 @@ from expertize.conversion.preflight import plan_run, plan_variants
 from expertize.conversion.publishing.run_folder import RunFolder
 from expertize.conversion.recipe import load_recipe, recipe_from_dict, recipe_to_dict
 from expertize.conversion.training.compute import matmul_precision
-from expertize.conversion.training.device import make_accelerator
+from expertize.conversion.device import make_accelerator
 from expertize.conversion.training.distill import Trainer
 from expertize.conversion.training.engine import rng_state
 from expertize.modeling import build_sparse_layer

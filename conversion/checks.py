@@ -2,10 +2,9 @@
 
     command-line counts   positive_int, non_negative_int, at_least(n), positive_float, int_list: argparse types, so
                           `--top-n 0` or `--left -3` is refused by the parser with the flag named (exit 2)
-    devices               resolve_device (training/device.py): `--device` of every command and `train.device`
+    devices               resolve_device (device.py): `--device` of every command and `train.device`
     output locations      check_output_location: the folder (or file) exists or can be created, is writable and its
                           disk has room for an estimate of what will be written
-    context lengths       model_positions / check_context_length: no sequence longer than the model's positions
     weights               check_weight_file: a safetensors file whose header reads and whose tensors fit in it
                           (publishing/model_folder.check_model_folder calls it for every weight file)
     a full disk           NoSpaceLeft / disk_full / no_space_message: a write that fails for lack of space (after
@@ -22,31 +21,20 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from .errors import ExpertizeError, RunFailed
-from .training.device import resolve_device
-
-
-def model_positions(config: Any) -> int | None:
-    """surgery/families.py's `model_positions` (the family's positions attribute: one rule), imported on call: the
-    CLI imports this module to build its parser, which must not import transformers (tests/test_cli_flags.py)."""
-    from .surgery.families import model_positions as positions
-
-    return positions(config)
+from .device import resolve_device
 
 
 __all__ = [
     "NoSpaceLeft",
     "OutputLocationError",
     "at_least",
-    "check_context_length",
     "check_local_weights",
     "check_output_location",
     "check_weight_file",
     "disk_full",
     "int_list",
-    "model_positions",
     "no_space_message",
     "non_negative_int",
     "positive_float",
@@ -171,23 +159,6 @@ def check_output_location(
 
 def _mb(n: int) -> int:
     return max(1, math.ceil(n / MB))
-
-
-# -- context lengths -------------------------------------------------------------------------------------------------
-
-
-def check_context_length(length: int, config: Any, *, setting: str, model: str = "the model") -> None:
-    """Refuse a sequence length beyond the model's positions (a learned position embedding has no row for them: an
-    IndexError deep inside the forward; rotary models were never trained there). `setting` is how the user gives
-    the length: a recipe key ("data.context_length") or a flag ("--context-length")."""
-    positions = model_positions(config)
-    if positions is not None and length > positions:
-        flag = setting.startswith("-")
-        given = f"{setting} {length}" if flag else f"{setting}={length}"
-        fix = f"{setting} {positions}" if flag else f"--set {setting}={positions}"
-        raise ExpertizeError(
-            f"{given} is longer than {model} reads: it has {positions} positions (its config.json); use {fix} or less"
-        )
 
 
 # -- weights ---------------------------------------------------------------------------------------------------------

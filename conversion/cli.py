@@ -22,7 +22,7 @@ from .cli_flags import Subcommand, lm_eval_limit, reading_flags, reading_of, set
 from .cli_flags import house_warnings
 from .cli_flags import say as _stderr
 from .errors import ExpertizeError
-from .export.command import add_export
+from .export_command import add_export
 from .inspect_command import add_inspect
 
 

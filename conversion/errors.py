@@ -17,6 +17,11 @@ class RunFailed(ExpertizeError):
     exit_code = 1
 
 
+class DataError(ExpertizeError, ValueError):
+    """The corpus cannot give what the recipe asks of it (unreadable file, too little text, empty held-out split,
+    a tokenizer that yields no tokens); the message names the fix."""
+
+
 class ExpertizeWarning(UserWarning):
     """A warning of expertize's own: the message names the problem and the fix. Under the CLI it prints as one line
     (`expertize: warning: ...`); in Python it is an ordinary `UserWarning` (filter or record it as one)."""

@@ -11,7 +11,8 @@ __all__ = ["add_inspect", "inspection_settings"]
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .checks import check_output_location, model_positions, resolve_device
+    from .checks import check_output_location, resolve_device
+    from .surgery.families import model_positions
     from .inspection import (
         InspectionError, format_prompt_view, inspect_folder, load_for_inspection, parse_corpora, prompt_ids,
         prompt_view, report_bytes, token_texts,
@@ -44,7 +45,7 @@ def _inspect(args: argparse.Namespace) -> int:
         )
         if not args.no_progress:
             print(file=sys.stderr)
-        written = folder.publish(stats.files_writer(delphi=delphi))
+        written = folder.publish(_report_writer(stats, delphi))
     recorded = _recorded_reading(args.model_dir)
     for layer, ls in sorted(stats.layers.items()):
         dead = int((ls.counts == 0).sum())
@@ -54,6 +55,19 @@ def _inspect(args: argparse.Namespace) -> int:
         print(recorded["verdict"])
     say(f"wrote {', '.join(str(p) for p in written)}")
     return 0
+
+
+def _report_writer(stats, delphi: dict | None):
+    """The report's files, and with `delphi` ({"model_name", "model_type"} of the base) a delphi latent cache in
+    delphi_cache/ (conversion/export/delphi.py) from the same pass."""
+    from pathlib import Path
+
+    from .export.delphi import export_delphi
+
+    report = stats.files_writer()
+    if delphi is None:
+        return report
+    return lambda output_dir: report(output_dir) + export_delphi(stats, Path(output_dir) / "delphi_cache", **delphi)
 
 
 def _recorded_reading(model_dir) -> dict:

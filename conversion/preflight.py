@@ -21,13 +21,13 @@ import torch
 
 from expertize.modeling import MlpShape, SparseSpec
 
-from .checks import check_context_length, check_output_location
+from .checks import check_output_location
 from .errors import ExpertizeError
 from .evaluation.stacking import check_not_sparse
 from .harness.folder_eval import LmEvalPlan
 from .data.text import stream_train_tokens
 from .recipe import Recipe, resolve_layer_spec, resolve_layers
-from .surgery.families import EXPERTIZE_PREFIX, base_family, family_info, mlp_shape
+from .surgery.families import EXPERTIZE_PREFIX, base_family, check_context_length, family_info, mlp_shape
 from .surgery.splice import local_model_type
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -217,7 +217,7 @@ def plan_run(recipe: Recipe, *, world_size: int = 1, check_layer_memory: bool = 
     """Resolve and check everything about `recipe` that needs no training; raises ExpertizeError on a problem."""
     from .data.corpus_check import check_data
     from .training.compute import check_precision
-    from .training.device import resolve_device
+    from .device import resolve_device
 
     lm_eval = LmEvalPlan.from_eval_config(recipe.eval)  # unknown task names fail now, not after training
     config = base_model_config(recipe.base_model, recipe.base_revision)

@@ -46,12 +46,14 @@ from .publishing.records import example_prompt, provenance, recipe_summary
 from .publishing.variants_table import VARIANTS_TABLE, write_variants_table
 from .publishing.run_folder import METRICS, PROVENANCE, RESOLVED_RECIPE, RunFolder, RunFolderTaken
 from .recipe import Recipe, recipe_to_dict, variant_recipes
+from .recipe.schedule_rule import ResolvedSchedule
 from .surgery.dense_init import init_moe_from_dense
 from .surgery.families import decoder_blocks
 from .surgery.splice import load_base_model, splice
 from .training.compute import compute_record, matmul_precision
-from .training.device import make_accelerator, world_size
+from .device import make_accelerator, world_size
 from .training.distill import Trainer
+from .training.distill_plan import DistillPlan, plan_distillation
 from .training.engine import rng_state, set_rng_state
 from .training.together import train_together
 from .training.errors import RunInterrupted
@@ -181,6 +183,11 @@ class Trained:
     """The torch RNG state right after the layers were built: where this run's training draws from."""
     compute: dict | None = None
     """How the capture and the training ran (`training.compute.compute_record`), for provenance.json."""
+    distill: DistillPlan | None = None
+    """What the recipe's train: section resolves to for these layers (training/distill_plan.py): decided once when
+    the layers are built, read by the trainer and the records."""
+    heal_schedule: ResolvedSchedule | None = None
+    """The healing's schedule as its engine resolved it (None without healing)."""
 
 
 def _run(plans: list[RunPlan], folders: list[RunFolder], accelerator, *, progress: bool, say: Log) -> None:
@@ -228,6 +235,7 @@ def build_layers(plan: RunPlan, base, accelerator) -> Trained:
     records what that costs before any training (ΔCE at initialization)."""
     recipe = plan.recipe
     trained = Trained(layers={i: build_sparse_layer(plan.spec) for i in plan.layer_ids})
+    trained.distill = plan_distillation(recipe.train, next(iter(trained.layers.values())), plan.distill_steps)
     if recipe.layer.init == "default":
         return trained
     blocks = decoder_blocks(base)
@@ -274,7 +282,7 @@ def distil(
             run.layers, batches, plan.recipe.train, total_steps=plan.distill_steps, accelerator=accelerator,
             checkpoint_path=folder.train_state, log_path=folder.train_log, progress=progress,
             init_output_bias=plan.recipe.layer.init == "default", log=say,
-            variant=folder.root.name if len(plans) > 1 else None,
+            variant=folder.root.name if len(plans) > 1 else None, plan=run.distill,
         ))
     try:
         # TF32 for the capture (run lazily by the batches) and the training; the evaluation stays in full fp32
@@ -312,6 +320,7 @@ def heal(plan: RunPlan, base, trained: Trained, folder: RunFolder, accelerator, 
         trained.healed_model = healer.fit()
     trained.layers = trained.healed_model.sparse_layers()
     trained.heal_summary = healer.summary()
+    trained.heal_schedule = healer.schedule
 
 
 def publish(
@@ -340,7 +349,7 @@ def publish(
         if stacked is not None:  # base_model is an expertize folder: the cost against the dense model it came from
             metrics["stacking"] = stacked
         plot_loss_curve([folder.train_log, folder.heal_log], stage.plots_dir / LOSS_PLOT)
-        metrics["train"] = train_summary(recipe, trained.steps, folder.train_log)
+        metrics["train"] = train_summary(trained.distill, trained.steps, folder.train_log, recipe.train.code_share_floor)
         if trained.init_metrics is not None:
             metrics["init"] = trained.init_metrics
         if trained.heal_summary is not None:
@@ -351,7 +360,8 @@ def publish(
             model = splice(base.cpu().float(), {i: m.cpu() for i, m in trained.layers.items()})
         model.save_pretrained(stage.path)
         plan.tokenizer.save_pretrained(stage.path)
-        metrics["recipe_summary"] = recipe_summary(recipe, trained.steps)  # the card's Training rows
+        metrics["recipe_summary"] = recipe_summary(  # the card's Training rows
+            recipe, trained.steps, trained.distill.schedule, trained.heal_schedule)
         metrics["example_prompt"] = example_prompt(trained.eval_sequences, plan.tokenizer)  # the card's example
         if plan.lm_eval is not None:
             metrics["lm_eval"] = plan.lm_eval.run(
@@ -375,19 +385,18 @@ def publish(
         folder.publish(stage)
 
 
-def train_summary(recipe: Recipe, steps: int, log_path: Path) -> dict:
+def train_summary(distill: DistillPlan, steps: int, log_path: Path, code_share_floor: float) -> dict:
     """metrics.json's `train`: the distillation's steps and tokens, its peak learning rate and warm-up beside the
-    rules' for this many steps (recipe/lr_rule.py, schedule_rule.py), the schedule after the warm-up, and how much
-    its loss still fell over the last fifth (evaluation/reading.py reads the rate, the schedule and the drop to say
-    when a run looks under-trained)."""
-    train = recipe.train
-    out = {"steps": steps, "tokens": steps * train.tokens_per_step}
+    rules' for this many steps (recipe/lr_rule.py, schedule_rule.py: the plan's, distill_plan.py), the schedule
+    after the warm-up, and how much its loss still fell over the last fifth (evaluation/reading.py reads the rate,
+    the schedule and the drop to say when a run looks under-trained)."""
+    out = {"steps": steps, "tokens": steps * distill.tokens_per_step}
     if steps:
-        schedule = recipe.distill_schedule()
+        schedule = distill.schedule
         out.update(lr=schedule.lr, lr_rule=schedule.lr_rule, warmup_steps=schedule.warmup_steps,
                    warmup_rule=schedule.warmup_rule, schedule=schedule.schedule, min_lr_ratio=schedule.min_lr_ratio,
                    loss_drop_last_fifth=loss_drop_last_fifth(log_path),
-                   code_share_floor=train.code_share_floor)
+                   code_share_floor=code_share_floor)
     return out
 
 

@@ -14,7 +14,7 @@ from expertize.conversion.recipe import EvalConfig, TrainConfig
 from expertize.conversion.surgery.dense_init import layer_from_dense
 from expertize.conversion.surgery.families import decoder_blocks
 from expertize.conversion.surgery.splice import splice
-from expertize.conversion.training.device import make_accelerator
+from expertize.conversion.device import make_accelerator
 from expertize.conversion.training.distill import Trainer
 from expertize.conversion.training.log import read_log
 from tests.conftest import tiny_base_model

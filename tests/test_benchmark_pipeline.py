@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from expertize.conversion.recipe import load_recipe
-from expertize.conversion.recipe.variants import variant_recipes
+from expertize.conversion.recipe.loader import variant_recipes
 
 REPO = Path(__file__).resolve().parents[1]
 

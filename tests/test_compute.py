@@ -16,7 +16,7 @@ from expertize.conversion.data.mlp_pairs import (
 from expertize.conversion.errors import ExpertizeError
 from expertize.conversion.recipe import recipe_from_dict
 from expertize.conversion.training import compute
-from expertize.conversion.training.device import make_accelerator
+from expertize.conversion.device import make_accelerator
 from expertize.conversion.training.distill import Trainer
 from expertize.modeling import build_sparse_layer
 from tests.conftest import tiny_base_config, tiny_base_model

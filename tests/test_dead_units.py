@@ -24,7 +24,7 @@ from expertize.conversion.training.compute import make_adamw
 from expertize.conversion.training.losses import LOSSES
 from expertize.conversion.recipe import EvalConfig, TrainConfig
 from expertize.conversion.training.auxk import DeadUnitTracker, auto_k_aux, auxk_loss, fired_units
-from expertize.conversion.training.device import make_accelerator
+from expertize.conversion.device import make_accelerator
 from expertize.conversion.training.distill import Trainer
 from expertize.conversion.training.engine import lr_lambda
 from expertize.conversion.training.errors import RunInterrupted

@@ -390,7 +390,7 @@ def test_a_real_training_step_runs_for_every_kind(row, variant, tmp_path):
     defaults plus AuxK from the second step: whatever it asks of a layer, the kind declares. (A bias the trainer
     wrote by the name `b_dec`, which the contract never declared, once crashed a new kind's first run here.)"""
     from expertize.conversion.recipe import TrainConfig
-    from expertize.conversion.training.device import make_accelerator
+    from expertize.conversion.device import make_accelerator
     from expertize.conversion.training.distill import Trainer
 
     tokens, steps = 32, 3

@@ -10,7 +10,7 @@ from expertize.conversion.errors import ExpertizeError
 from expertize.conversion.recipe import HealConfig, TrainConfig
 from expertize.conversion.surgery.splice import splice
 from expertize.conversion.training import tracking
-from expertize.conversion.training.device import make_accelerator
+from expertize.conversion.device import make_accelerator
 from expertize.conversion.training.distill import Trainer
 from expertize.conversion.training.heal import Healer
 from expertize.conversion.training.log import read_log

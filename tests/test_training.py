@@ -15,12 +15,13 @@ from expertize.conversion.errors import ExpertizeError, RunFailed
 from expertize.conversion.recipe import HealConfig, TrainConfig
 from expertize.conversion.surgery.splice import splice
 from expertize.conversion.training.compute import make_adamw
-from expertize.conversion.training import device as device_mod
-from expertize.conversion.training.device import make_accelerator, resolve_device
+from expertize.conversion import device as device_mod
+from expertize.conversion.device import make_accelerator, resolve_device
 from expertize.conversion.training.distill import Trainer
 from expertize.conversion.training.engine import Engine, OptimConfig, lr_lambda
 from expertize.conversion.training.errors import RunInterrupted, TrainingDiverged
 from expertize.conversion.training.heal import Healer
+from expertize.conversion.training.together import train_together
 from expertize.conversion.training.log import plot_loss_curve, read_log, truncate_log
 from expertize.modeling import MxdSpec, build_sparse_layer
 from tests.conftest import D_HIDDEN, D_MODEL, tiny_base_model, tiny_tokenizer, write_corpus
@@ -91,7 +92,7 @@ def _saved(tmp_path):
 
 def test_engine_calls_the_layer_hooks_around_every_optimizer_step(tmp_path):
     toy = Toy(tmp_path)
-    toy.run()
+    train_together([toy])
     assert toy.spy.calls == ["before", "after"] * 6
     assert [r["step"] for r in read_log(tmp_path / "log.jsonl")] == [1, 2, 3, 4, 5, 6]
 
@@ -118,7 +119,7 @@ def test_healing_keeps_mxd_unit_norm_experts(tmp_path):
 def test_non_finite_loss_raises_and_keeps_the_last_good_checkpoint(tmp_path):
     toy = Toy(tmp_path, poison=5)
     with pytest.raises(TrainingDiverged) as caught:
-        toy.run()
+        train_together([toy])
     message = str(caught.value)
     assert isinstance(caught.value, RunFailed)
     assert "non-finite" in message and "step 5 of 6" in message and "train.lr=0.01" in message
@@ -127,7 +128,7 @@ def test_non_finite_loss_raises_and_keeps_the_last_good_checkpoint(tmp_path):
     assert saved["step"] == 4 and all(torch.isfinite(v).all() for v in saved["model"].values())
     # Same weights as a clean run after 4 steps: the poisoned step never reached the disk.
     clean = Toy(tmp_path / "clean", steps=4)
-    clean.run()
+    train_together([clean])
     for key, value in clean.net.state_dict().items():
         torch.testing.assert_close(saved["model"][key], value, rtol=0, atol=0)
     assert [r["step"] for r in read_log(tmp_path / "log.jsonl")] == [1, 2, 3, 4]  # no NaN record logged
@@ -136,7 +137,7 @@ def test_non_finite_loss_raises_and_keeps_the_last_good_checkpoint(tmp_path):
 def test_non_finite_weights_are_never_checkpointed(tmp_path):
     toy = Toy(tmp_path, corrupt_at=1, checkpoint_every=1)
     with pytest.raises(TrainingDiverged, match=r"the weights became non-finite .*no checkpoint was written"):
-        toy.run()
+        train_together([toy])
     assert not (tmp_path / "ckpt" / "state.pt").exists()
 
 
@@ -154,17 +155,17 @@ def test_a_huge_learning_rate_diverges_instead_of_finishing(tmp_path):
 def test_ctrl_c_between_steps_saves_and_resumes_exactly(tmp_path):
     messages = []
     with pytest.raises(RunInterrupted) as caught:
-        Toy(tmp_path, interrupt_fetch=3).run()
+        train_together([Toy(tmp_path, interrupt_fetch=3)])
     assert isinstance(caught.value, KeyboardInterrupt) and isinstance(caught.value, RunFailed)
     assert str(caught.value).startswith("toy interrupted at step 3 of 6; saved a checkpoint of step 3")
     assert "Run the same command again to resume" in str(caught.value)
     assert _saved(tmp_path)["step"] == 3
 
     resumed = Toy(tmp_path, log=messages.append)
-    resumed.run()
+    train_together([resumed])
     assert messages == [f"resuming toy from step 3 of 6 ({tmp_path / 'ckpt' / 'state.pt'})"]
     straight = Toy(tmp_path / "straight")
-    straight.run()
+    train_together([straight])
     for key, value in straight.net.state_dict().items():
         torch.testing.assert_close(resumed.net.state_dict()[key], value, rtol=0, atol=0)
     strip = lambda path: [{k: v for k, v in r.items() if k != "seconds"} for r in read_log(path)]  # noqa: E731
@@ -173,9 +174,9 @@ def test_ctrl_c_between_steps_saves_and_resumes_exactly(tmp_path):
 
 def test_ctrl_c_inside_a_step_keeps_the_last_checkpoint(tmp_path):
     with pytest.raises(RunInterrupted, match=r"interrupted at step 2 of 6; the last checkpoint is of step 2"):
-        Toy(tmp_path, interrupt_loss=3).run()
+        train_together([Toy(tmp_path, interrupt_loss=3)])
     with pytest.raises(RunInterrupted, match=r"at step 0 of 6; no checkpoint was written yet"):
-        Toy(tmp_path / "early", interrupt_loss=1).run()
+        train_together([Toy(tmp_path / "early", interrupt_loss=1)])
 
 
 # -- distillation: the engine reproduces today's loop exactly ---------------------------------------------------------
@@ -325,6 +326,6 @@ def test_unknown_device_names_are_refused():
 
 def test_a_warmup_longer_than_the_run_is_reported(tmp_path):
     messages = []
-    Toy(tmp_path, warmup_steps=10, log=messages.append).run()
+    train_together([Toy(tmp_path, warmup_steps=10, log=messages.append)])
     assert messages == ["warning: train.warmup_steps=10 is more than the 6 steps of toy, so the learning rate never "
                         "reaches train.lr; lower warmup_steps"]

@@ -12,61 +12,22 @@ file, the setting or flag that gave it (`key`: data.paths, data.eval_paths, --co
 
 from __future__ import annotations
 
-import bz2
-import glob
-import gzip
 import itertools
 import json
-import lzma
 import os
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..errors import ExpertizeError
-
-if TYPE_CHECKING:  # DataConfig (recipe/data.py) calls resolve_paths; only its type is needed here
-    from ..recipe.data import DataConfig
-
-
-class DataError(ExpertizeError, ValueError):
-    """The corpus cannot give what the recipe asks of it (unreadable file, too little text, empty held-out split,
-    a tokenizer that yields no tokens); the message names the fix."""
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Documents
-
-
-def resolve_paths(paths: list[str], key: str = "data.paths") -> list[str]:
-    """Expand glob patterns (sorted) and check that every file exists; keeps the order of `paths`. Errors name
-    `key`, the setting that lists them."""
-    files = []
-    for path in paths:
-        if glob.has_magic(path):
-            matches = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
-            if not matches:
-                raise FileNotFoundError(
-                    f"{key}: the pattern {path!r} matches no file (relative to {os.getcwd()!r}); "
-                    "fix the pattern or the working directory"
-                )
-            for match in matches:
-                archive_check(match, key)
-            files.extend(matches)
-        elif os.path.isdir(path):
-            raise IsADirectoryError(
-                f"{key}: {path!r} is a directory; list its files or use a glob such as "
-                f"{os.path.join(path, '*.txt')!r}"
-            )
-        elif not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"{key}: no such file {path!r} (relative to {os.getcwd()!r}); "
-                "fix the path, give an absolute path, or use a glob pattern"
-            )
-        else:
-            archive_check(path, key)
-            files.append(path)
-    return files
+from ..errors import DataError
+from ..recipe.data import DataConfig
+from ..recipe.corpus_files import (
+    COMPRESSED,
+    archive_check,
+    compressed_as,
+    file_format,
+    resolve_paths,
+)
 
 
 def corpus_file_problem(path: str) -> str | None:
@@ -82,70 +43,10 @@ def corpus_file_problem(path: str) -> str | None:
     return None
 
 
-COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
-"""Compressed text read as it is decompressed (standard library): the file's format is the rest of its name."""
-
-_ARCHIVES = (  # (magic bytes, name suffixes, what it is, how to decompress it); the readable ones first
-    (b"\x1f\x8b", (".gz",), "gzip-compressed", "gunzip -k FILE"),
-    (b"BZh", (".bz2",), "bzip2-compressed", "bunzip2 -k FILE"),
-    (b"\xfd7zXZ\x00", (".xz",), "xz-compressed", "unxz -k FILE"),
-    (b"\x28\xb5\x2f\xfd", (".zst", ".zstd"), "zstd-compressed", "zstd -d FILE"),
-    (b"PK\x03\x04", (".zip",), "a zip archive", "unzip FILE"),
-    (b"7z\xbc\xaf\x27\x1c", (".7z",), "a 7-Zip archive", "7z x FILE"),
-    (None, (".tar", ".tgz", ".tbz2", ".txz"), "a tar archive", "tar -xf FILE"),
-)
-
-
-def archive_check(path: str, key: str = "data.paths") -> None:
-    """Refuse, by its name, a compressed file that cannot be read as it is (zstd, zip, 7z, tar), saying how to
-    decompress it; `.gz` / `.bz2` / `.xz` files are read (`COMPRESSED`)."""
-    name = path.lower()
-    for _, suffixes, what, command in _ARCHIVES:
-        if name.endswith(suffixes) and not name.endswith(tuple(COMPRESSED)):
-            raise DataError(
-                f"{key}: {path!r} is {what}; decompress it ({command}) and give the file inside it (.gz, .bz2 and "
-                ".xz files are read as they are)"
-            )
-
-
-def _compressed_as(path: str) -> tuple[str, str] | None:
-    """(what, how to decompress) when the file's first bytes are those of a compressed file or archive."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-    except OSError:
-        return None
-    return next(((what, command) for magic, _, what, command in _ARCHIVES if magic and head.startswith(magic)), None)
-
-
 def open_text(path: str, errors: str = "strict"):
     """A UTF-8 text stream of a corpus file (universal newlines), decompressed when its name says `COMPRESSED`."""
     opener = COMPRESSED.get(os.path.splitext(path)[1].lower(), open)
     return opener(path, "rt", encoding="utf-8", errors=errors)
-
-
-FORMAT_SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
-"""File names whose format is fixed by the name, whatever data.source says (any other name: data.source's)."""
-
-
-def file_format(path: str, source: str = "text", key: str = "data.paths") -> str:
-    """How a local corpus file is read: "jsonl" or "parquet" when its name says so (`FORMAT_SUFFIXES`; a compressed
-    file's name without its `.gz`), else `source` (text by default). A name that contradicts an explicit jsonl /
-    parquet source is refused (DataError), and so is a compressed parquet file (parquet compresses inside)."""
-    stem, suffix = os.path.splitext(path)
-    compressed = suffix.lower() in COMPRESSED
-    named = FORMAT_SUFFIXES.get(os.path.splitext(stem if compressed else path)[1].lower())
-    if compressed and (named == "parquet" or source == "parquet"):
-        raise DataError(f"{key}: {path!r} is a compressed parquet file; decompress it (parquet files compress their "
-                        "columns inside)")
-    if named is None or named == source:
-        return source
-    if source != "text":
-        raise DataError(
-            f"{key}: {path!r} is a {named} file by its name, but data.source is {source!r}; set data.source to "
-            f"{named!r}, or list files of one format"
-        )
-    return named  # the default source: the file's own format
 
 
 def corpus_config(
@@ -155,8 +56,6 @@ def corpus_config(
     (`file_format`); a text file's documents are lines, or blank-line blocks when `separator` is "auto" and the
     file has blocks of several lines (a play's speeches, poems) — detected from its first MiB — or as `separator`
     ("line" / "blank_line" / "file") says. Errors about the file name `key` (the flag that gave it)."""
-    from ..recipe.data import DataConfig
-
     archive_check(path, key)
     fmt = file_format(path, key=key)
     if fmt != "text":
@@ -185,7 +84,7 @@ def iter_documents(cfg: DataConfig, key: str = "data.paths") -> Iterator[str]:
         try:
             yield from read(path, cfg, key)
         except UnicodeDecodeError as e:
-            compressed = None if path.lower().endswith(tuple(COMPRESSED)) else _compressed_as(path)
+            compressed = None if path.lower().endswith(tuple(COMPRESSED)) else compressed_as(path)
             if compressed is not None:
                 what, command = compressed
                 raise DataError(

@@ -53,7 +53,7 @@ class TextCodes:
 def text_codes(model, tokenizer, text: str, layers: list[int] | None = None) -> TextCodes:
     """Run `text` through `model` once and keep, for each sparse layer (or `layers`), its input, its code and its
     output per token."""
-    from ..checks import model_positions
+    from ..surgery.families import model_positions
     from .from_folder import prompt_ids, token_texts
 
     sparse = model.sparse_layers()

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from ..checks import check_context_length, resolve_device
+from ..checks import resolve_device
+from ..surgery.families import check_context_length
 from ..publishing.model_folder import check_model_folder
 from ..data.run_reading import TextReading, warn_if_unread
 from .corpora import InspectionError, _data_config, corpus_sequences

@@ -128,29 +128,22 @@ class InspectionStats:
 
         return layer_report(self, layer)
 
-    def write(self, output_dir: str | Path, *, overwrite: bool = False, delphi: dict | None = None) -> list[Path]:
-        """Write the report (layer_<i>.json, index.html; with `delphi`, delphi_cache/) into `output_dir` under the
-        report folder's rules (output.py): a rerun for the same model replaces its report, another model's report
-        is refused unless `overwrite`, a folder that is not a report is refused."""
+    def write(self, output_dir: str | Path, *, overwrite: bool = False) -> list[Path]:
+        """Write the report (layer_<i>.json, index.html) into `output_dir` under the report folder's rules
+        (output.py): a rerun for the same model replaces its report, another model's report is refused unless
+        `overwrite`, a folder that is not a report is refused."""
         from .output import ReportFolder
 
         folder = ReportFolder(output_dir, self.model_source or self.model_name, overwrite=overwrite)
-        return folder.publish(self.files_writer(delphi=delphi))
+        return folder.publish(self.files_writer())
 
-    def files_writer(self, delphi: dict | None = None) -> Callable[[Path], list[Path]]:
-        """A function writing the report's files into a folder as they are (no folder rules: `write` has them):
-        layer_<i>.json and index.html, and with `delphi` ({"model_name", "model_type"} of the base) a delphi latent
-        cache in delphi_cache/ (conversion/export/delphi.py)."""
-        from ..export.delphi import export_delphi
+    def files_writer(self) -> Callable[[Path], list[Path]]:
+        """A function writing the report's files (layer_<i>.json and index.html) into a folder as they are (no
+        folder rules: `write` has them). `expertize inspect --export delphi` adds a delphi cache beside them
+        (inspect_command.py: the composition sits above both inspection and export)."""
         from .report import write_reports
 
-        def write_files(output_dir: Path) -> list[Path]:
-            written = write_reports(self, output_dir)
-            if delphi is None:
-                return written
-            return written + export_delphi(self, Path(output_dir) / "delphi_cache", **delphi)
-
-        return write_files
+        return lambda output_dir: write_reports(self, output_dir)
 
 
 def sparse_layers_of(model: nn.Module) -> dict[int, nn.Module]:

@@ -25,8 +25,11 @@ EXAMPLE_PROMPT_TOKENS = 8
 PACKAGES = ("torch", "transformers", "accelerate", "datasets", "safetensors", "huggingface-hub", "peft", "lm-eval")
 
 
-def recipe_summary(recipe: Recipe, total_steps: int) -> dict:
-    """The card's Training rows (kept in metrics.json, so that a card refreshed later shows them too)."""
+def recipe_summary(
+    recipe: Recipe, total_steps: int, schedule: ResolvedSchedule, heal_schedule: ResolvedSchedule | None = None
+) -> dict:
+    """The card's Training rows (kept in metrics.json, so that a card refreshed later shows them too): `schedule`
+    is the distillation's as its plan resolved it (training/distill_plan.py), `heal_schedule` the healing's."""
     data, train, heal = recipe.data, recipe.train, recipe.heal
     # A Hub dataset by its id; local files as such (never mistaken for Hub datasets).
     source = f"Hub dataset {data.name}" if data.source == "hub" else (
@@ -36,7 +39,7 @@ def recipe_summary(recipe: Recipe, total_steps: int) -> dict:
         rest = f"LoRA r={heal.lora_r} on {heal.lora_target_modules}, merged" if heal.rest == "lora" else "frozen"
         healing = {
             "healing": f"end to end, {heal.objective} objective, {heal.tokens:,} tokens, lr {heal.lr}, "
-            f"{_warmup_and_decay(recipe.heal_schedule())}; rest of the model {rest}",
+            f"{_warmup_and_decay(heal_schedule or recipe.heal_schedule())}; rest of the model {rest}",
         }
     return {
         "training tokens": total_steps * train.tokens_per_step,
@@ -45,18 +48,16 @@ def recipe_summary(recipe: Recipe, total_steps: int) -> dict:
         "context length": data.context_length,
         "data": source,
         "loss": train.loss,
-        "optimizer": f"AdamW (lr {_lr(recipe)}, {_warmup_and_decay(recipe.distill_schedule())})",
+        "optimizer": f"AdamW (lr {_lr(train.lr, schedule)}, {_warmup_and_decay(schedule)})",
         "precision": train.precision,
         "seed": train.seed,
         **healing,
     }
 
 
-def _lr(recipe: Recipe) -> str:
-    """The peak learning rate as the card shows it: "auto (0.01)" when the rule chose it."""
-    if recipe.train.lr == "auto":
-        return f"auto ({recipe.distill_lr():.3g})"
-    return f"{recipe.train.lr}"
+def _lr(given, schedule: ResolvedSchedule) -> str:
+    """The peak learning rate as the card shows it: "auto (0.01)" when the rule chose it, else as the recipe gave it."""
+    return f"auto ({schedule.lr:.3g})" if schedule.lr_auto else f"{given}"
 
 
 def _warmup_and_decay(schedule: ResolvedSchedule) -> str:

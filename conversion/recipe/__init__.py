@@ -14,9 +14,9 @@
 from .coerce import RecipeError, field_docs
 from .data import DataConfig
 from .layer_spec import resolve_layer_spec, resolve_layers
-from .loader import assets_dir, bundled_recipes, load_recipe, recipe_from_dict, recipe_to_dict, save_recipe
+from .loader import assets_dir, bundled_recipes, load_recipe, recipe_from_dict, recipe_to_dict, save_recipe, variant_recipes
 from .schema import EvalConfig, HealConfig, LayerConfig, Recipe, TrainConfig
-from .variants import VARIANT_TRAIN_KEYS, VariantConfig, variant_recipes
+from .variants import VARIANT_TRAIN_KEYS, VariantConfig
 
 __all__ = [
     "DataConfig",

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..data.documents import file_format, resolve_paths
+from .corpus_files import file_format, resolve_paths
 
 __all__ = ["DOCUMENT_MARKERS", "DOCUMENT_SEPARATORS", "DataConfig", "EVAL_SPLITS", "LOCAL_SOURCES", "SOURCES",
            "token_budget_to_sequences"]
@@ -25,7 +25,7 @@ class DataConfig:
 
     source: str = "text"
     """Kind of corpus: "text", "jsonl" or "parquet" (local files in `paths`), or "hub" (a datasets hub dataset).
-    A `.jsonl` / `.parquet` file is read in its own format under the default "text" (documents.file_format)."""
+    A `.jsonl` / `.parquet` file is read in its own format under the default "text" (recipe/corpus_files.file_format)."""
 
     paths: list[str] = field(default_factory=list)
     """Local files for the text/jsonl/parquet sources, read in the order given; glob patterns are expanded (sorted)."""

@@ -39,7 +39,8 @@ from .coerce import (
 )
 from .schema import Recipe
 
-__all__ = ["assets_dir", "bundled_recipes", "load_recipe", "recipe_from_dict", "recipe_to_dict", "save_recipe"]
+__all__ = ["assets_dir", "bundled_recipes", "load_recipe", "recipe_from_dict", "recipe_to_dict", "save_recipe",
+           "variant_recipes"]
 
 BUNDLED_PACKAGE = "expertize.recipes"
 """The package whose YAML files are the recipes callable by name (`expertize upcycle quickstart`)."""
@@ -70,8 +71,6 @@ def recipe_from_dict(tree: Mapping[str, Any], overrides: Iterable[str] = (), sou
     tree = _expand_vars(tree, "", src)
     recipe = build(Recipe, tree, "", src)
     if recipe.variants:  # each variant is a recipe of its own: its mistakes are found now, not after training
-        from .variants import variant_recipes
-
         variant_recipes(recipe, source)
     return recipe
 
@@ -83,6 +82,21 @@ def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
     if not tree.get("variants"):
         tree.pop("variants", None)
     return tree
+
+
+def variant_recipes(recipe, source: str = "<recipe>") -> list:
+    """The recipes of `recipe.variants`, in order: [(name, Recipe)]; [] when there are none. Each is validated as
+    a recipe of its own; an error names the variant."""
+    base = recipe_to_dict(recipe)
+    del base["variants"]
+    out = []
+    for variant in recipe.variants:
+        tree = {**base, "output_dir": f"{recipe.output_dir.rstrip('/')}/{variant.name}"}
+        other_kind = variant.layer.get("kind", base["layer"]["kind"]) != base["layer"]["kind"]
+        tree["layer"] = dict(variant.layer) if other_kind else {**base["layer"], **variant.layer}
+        tree["train"] = {**base["train"], **variant.train}
+        out.append((variant.name, recipe_from_dict(tree, source=f"{source} variants[{variant.name}]")))
+    return out
 
 
 def save_recipe(recipe: Recipe, path: str | os.PathLike) -> None:

@@ -11,7 +11,7 @@
         layer: {kind: transcoder, match_transcoder: 8}  # another kind: replaces the layer: section
         train: {lr: 3e-3}                               # optimizer keys only (VARIANT_TRAIN_KEYS)
 
-Each variant is an ordinary recipe (`variant_recipes`): the recipe without `variants:`, its `layer:` section merged
+Each variant is an ordinary recipe (`loader.variant_recipes`): the recipe without `variants:`, its `layer:` section merged
 with (or, when it names another kind, replaced by) the variant's, its optimizer keys overridden, and
 `output_dir/NAME` as output folder. Its folder's recipe.resolved.yaml is that recipe, and training it alone with
 `expertize upcycle` gives the same weights (tests/test_variants.py): `expertize upcycle` trains all variants in one
@@ -33,7 +33,7 @@ from typing import Any
 
 from .coerce import check_field_types, did_you_mean
 
-__all__ = ["VARIANT_TRAIN_KEYS", "VariantConfig", "variant_recipes"]
+__all__ = ["VARIANT_TRAIN_KEYS", "VariantConfig"]
 
 VARIANT_TRAIN_KEYS = (
     "lr", "warmup_steps", "schedule", "min_lr_ratio", "betas", "weight_decay", "grad_clip", "loss", "precision",
@@ -89,20 +89,3 @@ def check_variants(variants: list[VariantConfig], distill: bool) -> None:
             "variants: need train.distill: true (variants share the distillation's activation stream); with "
             "train.distill: false write one recipe per model"
         )
-
-
-def variant_recipes(recipe, source: str = "<recipe>") -> list:
-    """The recipes of `recipe.variants`, in order: [(name, Recipe)]; [] when there are none. Each is validated as
-    a recipe of its own; an error names the variant."""
-    from .loader import recipe_from_dict, recipe_to_dict
-
-    base = recipe_to_dict(recipe)
-    del base["variants"]
-    out = []
-    for variant in recipe.variants:
-        tree = {**base, "output_dir": f"{recipe.output_dir.rstrip('/')}/{variant.name}"}
-        other_kind = variant.layer.get("kind", base["layer"]["kind"]) != base["layer"]["kind"]
-        tree["layer"] = dict(variant.layer) if other_kind else {**base["layer"], **variant.layer}
-        tree["train"] = {**base["train"], **variant.train}
-        out.append((variant.name, recipe_from_dict(tree, source=f"{source} variants[{variant.name}]")))
-    return out

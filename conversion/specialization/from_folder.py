@@ -57,7 +57,8 @@ def specialize_folder(
     held-out files, see `split_corpora`); `progress`: a bar over its stages. `reading`: the BOS and document marker
     of the packing (data/run_reading.TextReading); default: as the folder's run read its text, with a warning when
     the model never saw the tokens it inserts."""
-    from ..checks import check_context_length, resolve_device
+    from ..checks import resolve_device
+    from ..surgery.families import check_context_length
     from ..inspection.from_folder import _load_model, checked_folder
     from ..data.run_reading import TextReading, warn_if_unread
     from ..progress import stage_bar

@@ -24,6 +24,8 @@ from torch import nn
 
 from expertize.modeling import FAMILIES, Family, MlpShape
 
+from ..errors import ExpertizeError
+
 __all__ = [
     "EXPERTIZE_PREFIX",
     "FamilyFacts",
@@ -232,3 +234,17 @@ def model_positions(config: Any) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
+
+
+def check_context_length(length: int, config: Any, *, setting: str, model: str = "the model") -> None:
+    """Refuse a sequence length beyond the model's positions (a learned position embedding has no row for them: an
+    IndexError deep inside the forward; rotary models were never trained there). `setting` is how the user gives
+    the length: a recipe key ("data.context_length") or a flag ("--context-length")."""
+    positions = model_positions(config)
+    if positions is not None and length > positions:
+        flag = setting.startswith("-")
+        given = f"{setting} {length}" if flag else f"{setting}={length}"
+        fix = f"{setting} {positions}" if flag else f"--set {setting}={positions}"
+        raise ExpertizeError(
+            f"{given} is longer than {model} reads: it has {positions} positions (its config.json); use {fix} or less"
+        )

@@ -25,12 +25,14 @@ from ..data.activations import ActivationBatches
 from .losses import LOSSES
 from ..recipe import TrainConfig
 from ..recipe.lr_rule import MEASURED_STEPS, beyond_measured
-from .auxk import DeadUnitTracker, auto_k_aux, auxk_loss, code_l0, dead_window_tokens, fired_units, supports_auxk
-from .balance import SelectionBalancer, balanced
-from .resample import UNTIL_FRACTION, Resampler, auto_every_tokens, supports_resampling
+from .auxk import DeadUnitTracker, auxk_loss, code_l0, fired_units
+from .balance import SelectionBalancer
+from .resample import Resampler
 from .code_floor import code_share_penalty
 from .compute import compile_layers
+from .distill_plan import DistillPlan, plan_distillation
 from .engine import Engine, OptimConfig, remove_hooks, run_paths
+from .together import train_together
 
 
 class SparseStack(nn.Module):
@@ -74,16 +76,21 @@ class Trainer(Engine):
         log=None,
         tracking_path: Path | None = None,
         variant: str | None = None,
+        plan: DistillPlan | None = None,
     ) -> None:
         """`checkpoint_path` / `log_path` default to `run_dir/checkpoint/state.pt` and `run_dir/train_log.jsonl`;
         `tracking_path` (the trackers' files, `cfg.log_with`) to `tracking/` beside the log. `variant`: the name of
-        the recipe variant this trainer trains (messages then name it)."""
+        the recipe variant this trainer trains (messages then name it). `plan`: what `cfg` resolves to for this run
+        (distill_plan.py; built here when not given)."""
         checkpoint_path, log_path = run_paths(run_dir, checkpoint_path, log_path, "train")
         self.layers, self.activations, self.cfg = layers, batches, cfg
         self.init_output_bias = init_output_bias  # False keeps b_dec (e.g. copied from the dense MLP)
         self.stack = SparseStack(layers).to(accelerator.device)
-        # lr and warm-up with `auto` resolved for this run's steps (recipe/schedule_rule.py)
-        self.schedule = cfg.resolved(total_steps, next(iter(layers.values())).spec.auto_lr_factor)
+        first = next(iter(layers.values()))  # every layer of a run has the same spec
+        self.plan = plan if plan is not None else plan_distillation(cfg, first, total_steps)
+        if self.plan.steps != total_steps:
+            raise ValueError(f"the plan is for {self.plan.steps} steps, the trainer for {total_steps}")
+        self.schedule = self.plan.schedule  # lr and warm-up with `auto` resolved (recipe/schedule_rule.py)
         super().__init__(
             self.stack,
             self.stack.parameters(),
@@ -104,21 +111,14 @@ class Trainer(Engine):
         self.log_path = self.train_log.path
         compile_layers(self.stack, cfg.compile)  # in place: the parameters, state-dict keys and hooks stay
         self.loss_fn = LOSSES[cfg.loss]
-        first = next(iter(layers.values()))  # every layer of a run has the same spec
-        if cfg.dead_window_tokens == "auto":
-            self.window_tokens = dead_window_tokens(total_steps * cfg.tokens_per_step, cfg.tokens_per_step)
-        elif cfg.dead_window_tokens == "interval":
-            self.window_tokens = auto_every_tokens(first.num_units, getattr(first.spec, "k", 1), cfg.tokens_per_step)
-        else:
-            self.window_tokens = cfg.dead_window_tokens
+        plan = self.plan
+        self.window_tokens = plan.dead_window_tokens
         self.dead_units = {
             i: DeadUnitTracker(layer.num_units, self.window_tokens, device=accelerator.device)
             for i, layer in layers.items()
         }
-        self.auxk_layers = {i for i, layer in layers.items() if cfg.auxk_coef > 0 and supports_auxk(layer)}
-        self.k_aux = {
-            i: auto_k_aux(layers[i].spec.d_out) if cfg.auxk_k == "auto" else cfg.auxk_k for i in self.auxk_layers
-        }
+        self.auxk_layers = set(layers) if plan.k_aux is not None else set()
+        self.k_aux = {i: plan.k_aux for i in self.auxk_layers}
         self.balancers = {
             i: SelectionBalancer(
                 layer, cfg.balance_rate, cfg.balance_floor if cfg.balance == "floor" else None,
@@ -126,26 +126,18 @@ class Trainer(Engine):
                 tuple(cfg.balance_anneal) if cfg.balance == "floor" and cfg.balance_anneal is not None else None,
             )
             for i, layer in layers.items()
-            if cfg.balance != "none" and balanced(layer)
+            if plan.balance
         }
-        run_tokens = total_steps * cfg.tokens_per_step
         self.resamplers = {
-            i: Resampler(
-                layer,
-                auto_every_tokens(layer.num_units, getattr(layer.spec, "k", 1), cfg.tokens_per_step)
-                if cfg.resample_every_tokens == "auto"
-                else cfg.resample_every_tokens,
-                until_tokens=int(UNTIL_FRACTION * run_tokens),
-                seed=cfg.seed + i,
-            )
+            i: Resampler(layer, plan.resample_every_tokens, until_tokens=plan.resample_until_tokens, seed=cfg.seed + i)
             for i, layer in layers.items()
-            if cfg.resample_every_tokens and supports_resampling(layer)
+            if plan.resample_every_tokens
         }
         self._step_pairs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         """Resampling layers: the step's (x, y, ŷ), detached; the error y - ŷ is formed only on a resampling step."""
         self.mean_outputs: dict[int, torch.Tensor] = {}
         # train.code_share_floor (a layer without a dense path carries everything already: its term stays 0)
-        self.floored_layers = set(layers) if cfg.code_share_floor > 0 else set()
+        self.floored_layers = set(layers) if plan.code_share_floor else set()
         self._batch_share: dict[int, float] = {}
         """Floored layers: the last batch's code share (logged as `code_share`)."""
         self._codes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -209,7 +201,7 @@ class Trainer(Engine):
         note = self.schedule.note("train")
         if note is None:
             return None
-        if self.cfg.lr == "auto" and beyond_measured(self.total_steps):
+        if self.schedule.lr_auto and beyond_measured(self.total_steps):
             note += (f"; beyond the {MEASURED_STEPS:,} steps it was measured on, the rule extrapolates: consider a "
                      "sweep (variants with train.lr 3x above and below)")
         return note
@@ -218,7 +210,7 @@ class Trainer(Engine):
         self.model.train()
         note = "; ".join(n for n in (self.lr_note(), self.balance_note(), self.auxk_note()) if n)
         if note:
-            self._say(note if self.name == type(self).name else f"{self.name}: {note}")
+            self.say(note if self.name == type(self).name else f"{self.name}: {note}")
 
     def first_batch(self, batch) -> None:
         self._init_output_bias(batch)
@@ -353,7 +345,7 @@ class Trainer(Engine):
     def fit(self) -> dict[int, SparseLayer]:
         """Train to `total_steps` (resuming from the checkpoint if there is one); the layers, in eval mode."""
         try:
-            self.run()
+            train_together([self])
         finally:
             self.release()
         return self.layers

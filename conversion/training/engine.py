@@ -281,20 +281,14 @@ class Engine:
 
     # -- the loop ---------------------------------------------------------------------------------------------------
 
-    def run(self) -> None:
-        """Train from the checkpoint (if any) to `total_steps`."""
-        from .together import train_together
-
-        train_together([self])
-
     def open(self) -> bool:
         """Start the trackers, restore the checkpoint if there is one and say so; True when resumed."""
         self.tracking.start()  # a missing tracker package fails before any work
         resumed = self.load_checkpoint()
         if resumed:
-            self._say(f"resuming {self.name} from step {self.step} of {self.total_steps} ({self.checkpoint_path})")
+            self.say(f"resuming {self.name} from step {self.step} of {self.total_steps} ({self.checkpoint_path})")
         if self.optim.warmup_steps > self.total_steps:
-            self._say(
+            self.say(
                 f"warning: {self.section}.warmup_steps={self.optim.warmup_steps} is more than the {self.total_steps} "
                 f"steps of {self.name}, so the learning rate never reaches {self.section}.lr; lower warmup_steps"
             )
@@ -410,7 +404,7 @@ class Engine:
             f"Lower {section}.lr{clip_advice}, then start over with `expertize upcycle RECIPE --restart`"
         )
 
-    def _interrupted(self) -> RunInterrupted:
+    def interrupted(self) -> RunInterrupted:
         """Save the state if the interrupt came between two steps (single process only: other ranks may be inside
         a collective), then say where the run stands."""
         saved_now = False
@@ -436,7 +430,7 @@ class Engine:
             f"{where}; no checkpoint was written yet. Run the same command again to resume (it starts this stage over)"
         )
 
-    def _say(self, message: str) -> None:
+    def say(self, message: str) -> None:
         if self.log is not None and self.is_main_process:
             self.log(message)
 

@@ -30,6 +30,7 @@ from ..recipe import HealConfig
 from ..surgery.families import attention_projections, conv1d_attention
 from .auxk import DeadUnitTracker, code_l0, dead_window_tokens, fired_units
 from .engine import Engine, OptimConfig, remove_hooks, run_paths
+from .together import train_together
 
 def lora_config(cfg: HealConfig, family: str):
     """The PEFT `LoraConfig` of `cfg` for a model of `family` (base model_type)."""
@@ -189,7 +190,7 @@ class Healer(Engine):
     def begin(self, resumed: bool) -> None:
         note = self.schedule.note("heal")  # what heal.warmup_steps: auto resolved to
         if note:
-            self._say(note)
+            self.say(note)
         self.base.eval()
         # Dropout off for the whole model (healing fits a deterministic function); the sparse layers in training
         # mode, so that they compute their auxiliary losses and use training-time routing (e.g. batch statistics).
@@ -262,7 +263,7 @@ class Healer(Engine):
         """Heal (resuming from the checkpoint if there is one), then return the merged model (an expertize causal
         LM) in eval mode."""
         try:
-            self.run()
+            train_together([self])
         finally:
             self._hooks = remove_hooks(self._hooks)
         self.save_checkpoint()  # a run killed after healing resumes straight into evaluation

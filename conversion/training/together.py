@@ -1,4 +1,4 @@
-"""Several engines on one batch stream: the loop of `Engine.run`, for one engine or for a recipe's variants.
+"""Several engines on one batch stream: the training loop, for one engine or for a recipe's variants.
 
 `train_together(engines)` hands the batch of step s to every engine whose next step is s; each engine does its own
 step (`Engine.train_step`: loss, backward, hooks, clipping, AdamW, schedule, log, checkpoint), so an engine sees
@@ -15,7 +15,7 @@ from .errors import RunInterrupted, TrainingDiverged
 def train_together(engines: list[Engine]) -> dict[Engine, TrainingDiverged]:
     """Train `engines` on one batch stream: the batch of step s (from the first engine's `batches`) goes to every
     engine whose next step is s, so each engine sees exactly the batches it would see alone. Variants of a recipe
-    (`variants:`) train this way on one activation capture; `Engine.run` is the one-engine case.
+    (`variants:`) train this way on one activation capture; `train_together([engine])` is the one-engine case.
 
     Engines resumed from different steps (a run killed between two engines' checkpoints) are fine: the stream starts
     at the earliest step and an engine waits until it reaches its own. With several engines each one draws from its
@@ -60,7 +60,7 @@ def train_together(engines: list[Engine]) -> dict[Engine, TrainingDiverged]:
                         raise
                     failed[engine] = diverged
                     active.remove(engine)
-                    engine._say(f"{diverged}; the other variants go on")
+                    engine.say(f"{diverged}; the other variants go on")
                     continue
                 if record is not None:
                     records.append((engine, record))
@@ -95,7 +95,7 @@ def _interrupted_together(engines: list[Engine], alone: bool) -> RunInterrupted:
     messages = []
     for engine in engines:
         with engine.own_rng(not alone):
-            messages.append(str(engine._interrupted()))
+            messages.append(str(engine.interrupted()))
     if alone:
         return RunInterrupted(messages[0])
     return RunInterrupted(f"training of {len(engines)} variants interrupted:\n  " + "\n  ".join(messages))

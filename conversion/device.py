@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..errors import ExpertizeError
+from .errors import ExpertizeError
 
 CHOICES = "auto, cpu, cuda, cuda:N or mps"
 

@@ -4,7 +4,7 @@ CLI module only registers it)."""
 import argparse
 import sys
 
-from ..cli_flags import corpus_pass_flags, reading_of, settings_from, token_progress
+from .cli_flags import corpus_pass_flags, reading_of, settings_from, token_progress
 
 __all__ = ["add_export", "run_export"]
 
@@ -12,9 +12,9 @@ TARGETS = ("sparsify", "circuit-tracer", "delphi")
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from ..checks import resolve_device
-    from .coders import export_coders
-    from .expressible import ExportError
+    from .checks import resolve_device
+    from .export.coders import export_coders
+    from .export.expressible import ExportError
 
     if args.to != "delphi":
         flags = (("--corpus", args.corpus), ("--layers", args.layers), ("--add-bos", args.add_bos),
@@ -27,8 +27,8 @@ def run_export(args: argparse.Namespace) -> int:
         out = export_coders(args.model_dir, args.to, args.output, base_model=args.base_model)
         print(f"expertize: wrote {args.to} export of {args.model_dir} to {out}")
         return 0
-    from ..inspection import InspectionSettings, parse_corpora
-    from .delphi import delphi_cache_from_folder
+    from .inspection import InspectionSettings, parse_corpora
+    from .export.delphi import delphi_cache_from_folder
 
     if not args.corpus:
         raise ExportError("--to delphi reads the folder's activations over text: give --corpus NAME=PATH (repeatable)")
@@ -60,7 +60,7 @@ def add_export(sub) -> None:
 
 
 def _export_flags(ex) -> None:
-    from ..inspection import InspectionSettings as S
+    from .inspection import InspectionSettings as S
 
     ex.add_argument("model_dir", help="an expertize model folder (written by `expertize upcycle` or save_model)")
     ex.add_argument("--to", required=True, choices=TARGETS, help="the target tool")
