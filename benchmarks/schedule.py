@@ -33,6 +33,8 @@ from code_share import BUDGETS, EVAL_TOKENS, MODELS, _cell
 from code_share import collect as collect_rows
 from dead_units import TRAIN, ensure_cache, model_tree
 
+from expertize.conversion.recipe.lr_rule import rule_lr
+
 SCHEDULES = {
     "default": {},
     "w0-constant": {"warmup": 0.0, "schedule": "constant", "min_lr_ratio": 0.0},
@@ -51,13 +53,15 @@ def run_tree(name: str, args, budget: int, seed: int, root: Path) -> tuple[dict,
     tree = model_tree(name, args, tokens, seed)
     for key in ("warmup_steps", "schedule", "min_lr_ratio", "lr"):  # the recipe defaults decide them
         tree["train"].pop(key, None)
+    steps = tokens // tree["train"]["tokens_per_step"]
+    if args.lr_factor != 1.0:  # the rule's rate scaled: is the best schedule the same at another rate?
+        tree["train"]["lr"] = rule_lr(steps) * args.lr_factor
     tree["train"]["code_share_floor"] = 0.0  # the schedule alone: plain distillation (code_share.py measures floors)
     tree["data"]["eval_tokens"] = min(tree["data"]["eval_tokens"], EVAL_TOKENS)
     tree["eval"]["generation_prompts"] = 0
-    tree["output_dir"] = str(root / f"{name}-b{budget}-s{seed}")
+    tree["output_dir"] = str(root / f"{name}-b{budget}-s{seed}{_lr_tag(args.lr_factor)}")
     if name == "smollm2":
         tree["data"]["activation_cache"] = str(ensure_cache(args, tree, max(BUDGETS["smollm2"])))
-    steps = tokens // tree["train"]["tokens_per_step"]
     match = tree["layer"]["match_transcoder"]
     variants, settings = [], []
     for kind in args.kinds.split(","):
@@ -68,9 +72,13 @@ def run_tree(name: str, args, budget: int, seed: int, root: Path) -> tuple[dict,
             variants.append({"name": f"{kind}-{sname}", "layer": {"kind": kind, "k": 32, "match_transcoder": match},
                              **({"train": train} if train else {})})
             settings.append({"model": name, "budget": tokens, "kind": kind, "schedule": sname, "seed": seed,
-                             "name": f"{kind}-{sname}"})
+                             "name": f"{kind}-{sname}", "lr_factor": args.lr_factor})
     tree["variants"] = variants
     return tree, settings
+
+
+def _lr_tag(factor: float) -> str:
+    return "" if factor == 1.0 else f"-lr{factor:g}"
 
 
 def collect(metrics_of: dict, settings: list[dict]) -> list[dict]:
@@ -78,7 +86,8 @@ def collect(metrics_of: dict, settings: list[dict]) -> list[dict]:
     rows = []
     for row in collect_rows(metrics_of, settings):
         train = metrics_of[row["name"]].get("train") or {}
-        rows.append({**row, "warmup": train.get("warmup_steps"), "sched": train.get("schedule")})
+        rows.append({**row, "warmup": train.get("warmup_steps"), "sched": train.get("schedule"),
+                     "lr_factor": settings[0].get("lr_factor", 1.0)})
     return rows
 
 
@@ -88,17 +97,18 @@ def table(rows: list[dict]) -> str:
     (issue 35: a lower KL bought by moving the work to MxD's dense path is another trade, not a better schedule)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["model"], r["budget"], r["kind"], r["schedule"]), []).append(r)
-    lines = ["| model | tokens | kind | " + " | ".join(SCHEDULES) + " | default / best | default on the frontier |",
-             "|" + "---|" * (5 + len(SCHEDULES))]
+        groups.setdefault((r["model"], r["budget"], r.get("lr_factor", 1.0), r["kind"], r["schedule"]), []).append(r)
+    lines = ["| model | tokens | lr | kind | " + " | ".join(SCHEDULES) + " | default / best | default on the frontier |",
+             "|" + "---|" * (6 + len(SCHEDULES))]
     verdicts = []
-    for model, budget, kind in sorted({k[:3] for k in groups}, key=lambda t: (MODELS.index(t[0]), t[1], t[2])):
-        present = [s for s in SCHEDULES if (model, budget, kind, s) in groups]
-        means = {s: statistics.fmean(r["kl"] for r in groups[(model, budget, kind, s)]) for s in present}
-        shares = {s: round(statistics.fmean(r.get("share") or 0.0 for r in groups[(model, budget, kind, s)]), 2)
-                  for s in present}
-        cells = [f"{_cell([r['kl'] for r in groups[(model, budget, kind, s)]], '.4f')} "
-                 f"({_cell([r.get('share') for r in groups[(model, budget, kind, s)]], '.2f')})"
+    for model, budget, factor, kind in sorted({k[:4] for k in groups},
+                                              key=lambda t: (MODELS.index(t[0]), t[1], t[2], t[3])):
+        group = {s: groups[(model, budget, factor, kind, s)] for s in SCHEDULES
+                 if (model, budget, factor, kind, s) in groups}
+        present = list(group)
+        means = {s: statistics.fmean(r["kl"] for r in group[s]) for s in present}
+        shares = {s: round(statistics.fmean(r.get("share") or 0.0 for r in group[s]), 2) for s in present}
+        cells = [f"{_cell([r['kl'] for r in group[s]], '.4f')} ({_cell([r.get('share') for r in group[s]], '.2f')})"
                  if s in means else "" for s in SCHEDULES]
         if "default" not in means:
             continue
@@ -107,9 +117,10 @@ def table(rows: list[dict]) -> str:
         # Shares compared at the table's two decimals: a transcoder's 1.00 ties with every schedule.
         dominating = [s for s in present if means[s] < means["default"] and shares[s] >= shares["default"]]
         frontier = "yes" if not dominating else "no: " + ", ".join(dominating)
-        verdicts.append(f"{model} {budget:,} {kind}: default/best {ratio:.2f} (best: {best}) "
+        rate = "rule" if factor == 1.0 else f"rule x{factor:g}"
+        verdicts.append(f"{model} {budget:,} {rate} {kind}: default/best {ratio:.2f} (best: {best}) "
                         f"{'pass' if ratio <= BAR else 'FAIL'}; on the frontier: {frontier}")
-        lines.append(f"| {model} | {budget:,} | {kind} | " + " | ".join(cells) + f" | {ratio:.2f} ({best}) | {frontier} |")
+        lines.append(f"| {model} | {budget:,} | {rate} | {kind} | " + " | ".join(cells) + f" | {ratio:.2f} ({best}) | {frontier} |")
     return "\n".join(lines) + "\n\n" + "\n".join(f"- {v}" for v in verdicts)
 
 
@@ -125,11 +136,13 @@ def main() -> int:
     p.add_argument("--runs-dir", default=None)
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--from-rows", default=None)
+    p.add_argument("--lr-factor", type=float, default=1.0,
+                   help="train at the lr rule's rate times this (every variant; 1 = lr auto)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.from_rows:
-        rows, budget_line = load_rows(args.from_rows, lambda r: (r["model"], r["budget"], r["kind"], r["schedule"],
-                                                                  r["seed"]))
+        rows, budget_line = load_rows(args.from_rows, lambda r: (r["model"], r["budget"], r.get("lr_factor", 1.0),
+                                                                  r["kind"], r["schedule"], r["seed"]))
     else:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         root = Path(args.runs_dir) if args.runs_dir else Path(tempfile.mkdtemp(prefix="expertize-schedule-"))
@@ -144,7 +157,8 @@ def main() -> int:
                           f"[{'reused' if seconds is None else f'{seconds:.0f}s'}]", flush=True)
                     rows += collect(metrics_of, settings)
         budget_line = (f"models {args.models}; budgets {args.budgets} ({', '.join(f'{m} {BUDGETS[m]}' for m in args.models.split(','))}); "
-                       f"kinds {args.kinds} K=32; seeds {args.seeds}; lr auto; {len(rows)} variants; wall "
+                       f"kinds {args.kinds} K=32; seeds {args.seeds}; "
+                       f"lr {'auto' if args.lr_factor == 1.0 else f'rule x{args.lr_factor:g}'}; {len(rows)} variants; wall "
                        f"{(time.perf_counter() - started) / 60:.1f} min on CPU")
         (root / "rows.json").write_text(json.dumps({"rows": rows, "budget": budget_line}), encoding="utf-8")
     text = f"{table(rows)}\n\nbudget: {budget_line}\n"
