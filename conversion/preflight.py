@@ -28,6 +28,7 @@ from .harness.folder_eval import LmEvalPlan
 from .data.text import stream_train_tokens
 from .recipe import Recipe, resolve_layer_spec, resolve_layers
 from .surgery.families import EXPERTIZE_PREFIX, base_family, check_context_length, family_info, mlp_shape
+from .surgery.placement import BasePlacement, resolve_placement
 from .surgery.splice import local_model_type
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -54,6 +55,8 @@ class RunPlan:
     distill_steps: int
     lm_eval: LmEvalPlan | None
     tokenizer: Any
+    placement: BasePlacement | None = None
+    """The base spread over devices (recipe device_map; surgery/placement.py), or None: on `device`."""
 
 
 def base_model_config(base_model: str, revision: str | None = None):
@@ -232,6 +235,7 @@ def plan_run(recipe: Recipe, *, world_size: int = 1, check_layer_memory: bool = 
     check_context_length(recipe.data.context_length, config, setting="data.context_length", model=model)
     generated = recipe.eval.prompt_tokens + recipe.eval.continuation_tokens  # the greedy-continuation match
     check_context_length(generated, config, setting="eval.prompt_tokens + eval.continuation_tokens", model=model)
+    placement = resolve_placement(recipe, config, layer_ids)  # a map that cannot run the target layers: refused now
     if check_layer_memory:
         check_memory(spec, len(layer_ids), device)
 
@@ -265,4 +269,5 @@ def plan_run(recipe: Recipe, *, world_size: int = 1, check_layer_memory: bool = 
         distill_steps=distill_steps,
         lm_eval=lm_eval,
         tokenizer=tokenizer,
+        placement=placement,
     )

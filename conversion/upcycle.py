@@ -49,6 +49,7 @@ from .recipe import Recipe, recipe_to_dict, variant_recipes
 from .recipe.schedule_rule import ResolvedSchedule
 from .surgery.dense_init import init_moe_from_dense
 from .surgery.families import decoder_blocks
+from .surgery.placement import is_dispatched
 from .surgery.splice import load_base_model, splice
 from .training.compute import compute_record, matmul_precision
 from .device import make_accelerator, world_size
@@ -209,8 +210,9 @@ def _run(plans: list[RunPlan], folders: list[RunFolder], accelerator, *, progres
         set_rng_state(run.rng)  # healing draws from this run's RNG, as it would alone (e.g. LoRA's init)
         heal(plan, base, run, folder, accelerator, progress=progress, say=say)
         publish(plan, base, run, folder, accelerator, progress=progress, say=say, ablation_memo=memo)
-        # publish saves from the base moved to the CPU in float32; the next variant evaluates on the run's device.
-        base.to(device=accelerator.device, dtype=getattr(torch, plan.recipe.dtype))
+        if not is_dispatched(base):
+            # publish saves from the base moved to the CPU in float32; the next variant evaluates on the run's device.
+            base.to(device=accelerator.device, dtype=getattr(torch, plan.recipe.dtype))
     if diverged:
         names = ", ".join(sorted(diverged))
         raise RunFailed(
@@ -224,8 +226,13 @@ def _run(plans: list[RunPlan], folders: list[RunFolder], accelerator, *, progres
 
 
 def load_base(plan: RunPlan, device: torch.device):
-    """The frozen base model on `device`, in the recipe's dtype (it only produces activations)."""
-    base = load_base_model(plan.recipe.base_model, dtype=getattr(torch, plan.recipe.dtype)).to(device).eval()
+    """The frozen base model in the recipe's dtype (it only produces activations): on `device`, or spread as the
+    plan's placement says (the recipe's device_map)."""
+    dtype = getattr(torch, plan.recipe.dtype)
+    if plan.placement is not None:
+        base = load_base_model(plan.recipe.base_model, dtype=dtype, **plan.placement.load_kwargs()).eval()
+    else:
+        base = load_base_model(plan.recipe.base_model, dtype=dtype).to(device).eval()
     base.requires_grad_(False)
     return base
 
@@ -356,8 +363,11 @@ def publish(
             metrics["heal"] = trained.heal_summary
             model = trained.healed_model.cpu()
         else:
-            # Saved in float32 whatever dtype produced the activations (`.float()` is a no-op for a float32 base).
-            model = splice(base.cpu().float(), {i: m.cpu() for i, m in trained.layers.items()})
+            # Saved in float32 whatever dtype produced the activations (`.float()` is a no-op for a float32 base). A
+            # base spread with device_map holds no weights where it is offloaded: the folder is spliced from the
+            # checkpoint itself, loaded whole on the CPU (docs/scale.md: the saving host needs the model's memory).
+            source = plan.recipe.base_model if is_dispatched(base) else base.cpu().float()
+            model = splice(source, {i: m.cpu() for i, m in trained.layers.items()}, dtype=torch.float32)
         model.save_pretrained(stage.path)
         plan.tokenizer.save_pretrained(stage.path)
         metrics["recipe_summary"] = recipe_summary(  # the card's Training rows
@@ -380,7 +390,10 @@ def publish(
         stage.write_yaml(RESOLVED_RECIPE, recipe_to_dict(recipe))
         compute = trained.compute or compute_record(  # no distillation: only the settings and the base
             recipe, accelerator.device, attention=base.config._attn_implementation)
-        stage.write_json(PROVENANCE, provenance(recipe, device=accelerator.device, compute=compute))
+        record = provenance(recipe, device=accelerator.device, compute=compute)
+        if plan.placement is not None:  # which device held which modules of the base
+            record["base_placement"] = plan.placement.record()
+        stage.write_json(PROVENANCE, record)
         refresh_model_card(stage.path)  # from config.json, metrics.json and provenance.json, as `expertize eval` does
         folder.publish(stage)
 

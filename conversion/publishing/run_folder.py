@@ -38,6 +38,7 @@ import yaml
 
 from ..errors import ExpertizeError
 from .folder_lock import LOCK, FolderLock, RunFolderBusy, busy
+from ..recipe.loader import PLACEMENT_KEYS
 
 __all__ = [
     "CHECKPOINT", "HEAL_LOG", "HEAL_STATE", "LM_EVAL", "METRICS", "MODEL_CARD", "PLOTS", "PROVENANCE",
@@ -163,11 +164,14 @@ def _local_path(value: Any) -> Any:
 def run_identity(resolved_recipe: dict) -> dict:
     """What decides whether a folder's unfinished (or finished) run is the same run as `resolved_recipe`: the recipe
     without `output_dir` (the folder names itself: `runs/a`, `runs/a/`, `/abs/runs/a` and `../runs/a` from a
-    subfolder are one folder) and with its local paths canonical (a base model folder, data.paths and eval_paths, the
+    subfolder are one folder), without the base's placement (device_map, max_memory, offload_folder: a run resumed
+with the base spread differently computes the same numbers), and with its local paths canonical (a base model folder, data.paths and eval_paths, the
     activation cache), so a rerun spelled differently resumes instead of being refused; data.token_cache is left out
     (it changes where token ids come from, not which). A Hub id stays as it is."""
     tree = copy.deepcopy(dict(resolved_recipe))
     tree.pop("output_dir", None)
+    for key in PLACEMENT_KEYS:  # where the base's weights sit, not what is computed
+        tree.pop(key, None)
     base = tree.get("base_model")
     if isinstance(base, str) and os.path.exists(os.path.expanduser(base)):
         tree["base_model"] = _local_path(base)

@@ -42,6 +42,9 @@ from .schema import Recipe
 __all__ = ["assets_dir", "bundled_recipes", "load_recipe", "recipe_from_dict", "recipe_to_dict", "save_recipe",
            "variant_recipes"]
 
+PLACEMENT_KEYS = ("device_map", "max_memory", "offload_folder")
+"""Where the base's weights sit (surgery/placement.py): not what a run computes."""
+
 BUNDLED_PACKAGE = "expertize.recipes"
 """The package whose YAML files are the recipes callable by name (`expertize upcycle quickstart`)."""
 
@@ -77,10 +80,14 @@ def recipe_from_dict(tree: Mapping[str, Any], overrides: Iterable[str] = (), sou
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
     """Plain, YAML/JSON-able dict of every field (defaults included, env vars expanded); `recipe_from_dict` of it
-    gives an equal Recipe. An empty `variants:` is left out: a one-model recipe resolves as it always did."""
+    gives an equal Recipe. An empty `variants:` is left out: a one-model recipe resolves as it always did; so are
+    the base's placement keys when unset (device_map, max_memory, offload_folder)."""
     tree = plain(recipe)
     if not tree.get("variants"):
         tree.pop("variants", None)
+    for key in PLACEMENT_KEYS:  # a base on one device resolves as it always did (the keys came later)
+        if tree.get(key) is None:
+            tree.pop(key, None)
     return tree
 
 

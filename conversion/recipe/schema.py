@@ -308,6 +308,18 @@ class Recipe:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype the base model is loaded in (it only produces the activations the sparse layers learn from)."""
 
+    device_map: Literal["auto", "balanced", "balanced_low_0", "sequential"] | dict[str, int | str] | None = None
+    """Spread the base over devices with accelerate's big-model loading (transformers' `device_map`): a strategy, or
+    {module: device} with a GPU index, "cpu" or "disk"; null: the whole base on train.device. A target layer's MLP
+    must run where it is placed (not "disk", nor "cpu" in a map with GPUs); the sparse layers train on train.device.
+    Not with heal: or eval.lm_eval_tasks (surgery/placement.py)."""
+
+    max_memory: dict[int | str, int | str] | None = None
+    """With device_map: the most each device may hold, e.g. {0: 20GiB, 1: 20GiB, cpu: 64GiB} (transformers' name)."""
+
+    offload_folder: str | None = None
+    """With device_map: the folder receiving the weights of modules placed on "disk" (needed when any are)."""
+
     layers: list[int] | Literal["all"] = dataclasses.field(metadata=ONE_KIND_PER_RECIPE)
     """Decoder layer indices whose MLPs are replaced, e.g. [8], or "all"."""
 

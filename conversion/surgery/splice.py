@@ -11,6 +11,7 @@ import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,15 +37,18 @@ __all__ = [
 _CLASS_KEYS = ("model_type", "architectures", "auto_map", "transformers_version", "sparse_layers")
 
 
-def load_base_model(base: str | os.PathLike | PreTrainedModel, dtype: torch.dtype | None = None) -> PreTrainedModel:
-    """A causal LM from a hub id, a local dir or an already loaded module (returned as is)."""
+def load_base_model(
+    base: str | os.PathLike | PreTrainedModel, dtype: torch.dtype | None = None, **placement: Any
+) -> PreTrainedModel:
+    """A causal LM from a hub id, a local dir or an already loaded module (returned as is). `placement`:
+    accelerate's loading arguments (device_map, max_memory, offload_folder: surgery/placement.py)."""
     if isinstance(base, PreTrainedModel):
         return base
     if local_model_type(base).startswith(EXPERTIZE_PREFIX):
-        return load_expertize_model(base, dtype=dtype)
+        return load_expertize_model(base, dtype=dtype, **placement)
     config = AutoConfig.from_pretrained(base)
     base_family(config.model_type)  # fail before loading weights
-    return AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(base, dtype=dtype, **placement)
 
 
 def local_model_type(path: str | os.PathLike) -> str:
@@ -55,7 +59,7 @@ def local_model_type(path: str | os.PathLike) -> str:
     return json.loads(config_file.read_text(encoding="utf-8")).get("model_type", "")
 
 
-def load_expertize_model(path: str | os.PathLike, dtype: torch.dtype | None = None) -> PreTrainedModel:
+def load_expertize_model(path: str | os.PathLike, dtype: torch.dtype | None = None, **placement: Any) -> PreTrainedModel:
     """Load a saved expertize model with this library's classes (no remote code needed in-process)."""
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a saved model folder: it has no config.json")
@@ -63,7 +67,7 @@ def load_expertize_model(path: str | os.PathLike, dtype: torch.dtype | None = No
     model_type = local_model_type(path)
     if not model_type.startswith(EXPERTIZE_PREFIX):
         raise ValueError(f"{path} is not an expertize model (config.json has model_type {model_type!r})")
-    return family_info(model_type).causal_lm_class.from_pretrained(path, dtype=dtype)
+    return family_info(model_type).causal_lm_class.from_pretrained(path, dtype=dtype, **placement)
 
 
 def expertize_config(base_config, specs: Mapping[int, SparseSpec]):
