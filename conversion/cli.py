@@ -241,8 +241,9 @@ def _capture(args: argparse.Namespace) -> int:
     with quiet_library_progress(args.no_progress):
         out = capture_activations(recipe, args.output, dtype=args.dtype, shard_tokens=args.shard_tokens,
                                   log=None if args.no_progress else _stderr, progress=not args.no_progress)
-    print(f"expertize: wrote the activation cache {out}; train from it with\n"
-          f"  expertize upcycle {args.recipe} --set data.activation_cache={out}")
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every process returns the cache: one says so
+        print(f"expertize: wrote the activation cache {out}; train from it with\n"
+              f"  expertize upcycle {args.recipe} --set data.activation_cache={out}")
     return 0
 
 

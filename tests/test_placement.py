@@ -116,3 +116,20 @@ def test_the_placement_is_not_part_of_the_runs_identity(deep_run):
     _, tree = deep_run
     spread = {**tree, "device_map": DISK_MAP, "offload_folder": "/tmp/x", "max_memory": {"cpu": "2GiB"}}
     assert run_identity(tree) == run_identity(spread)
+
+
+def test_a_capture_with_part_of_the_base_on_disk_writes_the_plain_captures_pairs(deep_run):
+    """`expertize capture` loads only blocks 0..1 (surgery/trunk.py) and places them as the causal LM's map says:
+    block 0 on disk, block 1 on the CPU; the entries of the blocks it never loads and of the head are dropped."""
+    from expertize.conversion.capture import capture_activations
+    from expertize.conversion.data.cache import ActivationCache
+
+    tmp_path, tree = deep_run
+    tree = {**tree, "data": {**tree["data"], "train_tokens": 2048}}
+    plain = capture_activations(recipe_from_dict(tree), tmp_path / "plain-cache")
+    recipe = recipe_from_dict({**tree, "device_map": DISK_MAP, "offload_folder": str(tmp_path / "off")})
+    spread = capture_activations(recipe, tmp_path / "spread-cache")
+    rows = list(range(ActivationCache(plain).sequences))
+    a = ActivationCache(plain).read(rows, [1], torch.device("cpu"), torch.float32)
+    b = ActivationCache(spread).read(rows, [1], torch.device("cpu"), torch.float32)
+    assert torch.equal(a[1], b[1]) and torch.equal(a[0][1][0], b[0][1][0]) and torch.equal(a[0][1][1], b[0][1][1])

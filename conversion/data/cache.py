@@ -10,7 +10,10 @@ whole consecutive sequences: `layer.{L}.x` / `layer.{L}.y` (sequences * T, d) fo
 `input_ids` (sequences, T) int32 (so the excluded special positions can be recomputed: the cache does not depend
 on data.exclude_special_positions). `cache.json`, the manifest, records what produced the pairs (base model,
 revision, base dtype, layers, the resolved data section, the corpus files and sizes), the shards (sequences, bytes,
-sha256) and the versions.
+sha256) and the versions; recorded but never compared: which base blocks the capture loaded (`base_loaded`) and how
+many processes wrote the shards (`processes`). A multi-process capture's shards (`shard-r<rank>-<i>`, each rank a
+contiguous run of the stream) are listed rank after rank, so the manifest's shards are the stream in order whoever
+wrote them.
 
 Deterministic training from a cache: `CachedActivationBatches` is `ActivationBatches` with its `_rows` (a chunk's
 rows in stream order) read from the shards instead of captured, so the chunking, the seeded per-chunk permutation,
@@ -87,8 +90,10 @@ class CacheCorrupted(CacheError, RunFailed):
     in a copy). Found when a run first reads the shard, so it exits 1 (work had started) with its checkpoint kept."""
 
 
-def _shard_name(index: int) -> str:
-    return f"shard-{index:05d}.safetensors"
+def _shard_name(index: int, rank: int | None = None) -> str:
+    """shard-00003.safetensors; a multi-process capture's rank 1: shard-r001-00003.safetensors (names sort in stream
+    order either way)."""
+    return f"shard-{index:05d}.safetensors" if rank is None else f"shard-r{rank:03d}-{index:05d}.safetensors"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -129,8 +134,13 @@ def _corpus_file(path: str, source: str) -> dict[str, Any]:
 class ShardWriter:
     """Collects captured batches on the CPU and writes them as shards of `per_shard` whole sequences."""
 
-    def __init__(self, folder: Path, layers: list[int], dtype: torch.dtype, per_shard: int) -> None:
+    def __init__(self, folder: Path, layers: list[int], dtype: torch.dtype, per_shard: int, *,
+                 first_sequence: int = 0, rank: int | None = None) -> None:
+        """`first_sequence`: the stream index of the first sequence added (a process's share of a multi-process
+        capture starts there); `rank`: that process's rank, in its shards' names so that no two processes' shards
+        collide (None: a one-process capture's names)."""
         self.folder, self.layers, self.dtype, self.per_shard = folder, layers, dtype, per_shard
+        self.first_sequence, self.rank = first_sequence, rank
         self.ids: list[torch.Tensor] = []  # (B, T) each
         self.pairs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in layers}
         self.shards: list[dict[str, Any]] = []
@@ -168,8 +178,9 @@ class ShardWriter:
             self.pairs[i] = [(x[n * t :], y[n * t :])] if len(ids) > n else []
         from safetensors.torch import save_file
 
-        path = self.folder / _shard_name(len(self.shards))
-        save_file(tensors, str(path), metadata={"first_sequence": str(self.sequences), "sequences": str(n)})
+        path = self.folder / _shard_name(len(self.shards), self.rank)
+        first = self.first_sequence + self.sequences
+        save_file(tensors, str(path), metadata={"first_sequence": str(first), "sequences": str(n)})
         self.shards.append({"file": path.name, "sequences": n, "tokens": n * t, "bytes": path.stat().st_size,
                             "sha256": _sha256(path)})
         self.sequences += n
@@ -183,15 +194,21 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def cache_manifest(recipe, layers: list[int], *, d_model: int, storage_dtype: str, device, writer: ShardWriter,
-                   wanted: int, capture_batch_sequences: int) -> dict[str, Any]:
+def cache_manifest(recipe, layers: list[int], *, d_model: int, storage_dtype: str, device, shards: list[dict],
+                   wanted: int, capture_batch_sequences: int, base_loaded: dict[str, Any] | None = None,
+                   processes: int = 1) -> dict[str, Any]:
     """cache.json of a finished capture: what produced the pairs (compared by `ActivationCache.mismatches`), the
-    shards `writer` wrote, whether the train split ran out before the `wanted` sequences, and the sequences per
-    capture forward (as resolved from train.capture_batch_sequences)."""
+    `shards` written (ShardWriter.shards; of every process, in stream order), whether the train split ran out before
+    the `wanted` sequences, and the sequences per capture forward (as resolved from train.capture_batch_sequences).
+
+    Recorded, never compared (a cache's pairs do not depend on them, and caches without them still open):
+    `base_loaded`, which of the base model's blocks were loaded ({"blocks": [0, L], "of": N, "head": bool}), and the
+    `processes` that wrote the shards."""
     from expertize import __version__
     from importlib import metadata
 
     data, t = recipe.data, recipe.data.context_length
+    sequences = sum(shard["sequences"] for shard in shards)
     return {
         "format": CACHE_FORMAT,
         "expertize": __version__,
@@ -207,10 +224,12 @@ def cache_manifest(recipe, layers: list[int], *, d_model: int, storage_dtype: st
         "data": {k: v for k, v in dataclasses.asdict(data).items() if k != "activation_cache"},
         "context_length": t,
         "train_tokens": data.train_tokens,
-        "sequences": writer.sequences,
-        "tokens": writer.sequences * t,
-        "exhausted": writer.sequences < wanted,
-        "shards": writer.shards,
+        "sequences": sequences,
+        "tokens": sequences * t,
+        "exhausted": sequences < wanted,
+        "shards": shards,
+        **({"base_loaded": base_loaded} if base_loaded is not None else {}),
+        "processes": processes,
     }
 
 
