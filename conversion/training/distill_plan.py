@@ -50,8 +50,8 @@ def plan_distillation(cfg: TrainConfig, layer: SparseLayer, steps: int) -> Disti
     """The plan of a distillation of `steps` optimizer steps of layers like `layer` under `cfg`."""
     per_step = cfg.tokens_per_step
     k = getattr(layer.spec, "k", 1)
-    if cfg.dead_window_tokens == "auto":
-        window = dead_window_tokens(steps * per_step, per_step)
+    if cfg.dead_window_tokens == "auto":  # a run without distillation (train.distill: false) has no window
+        window = dead_window_tokens(steps * per_step, per_step) if steps else 0
     elif cfg.dead_window_tokens == "interval":  # the resampler's cadence: dead means "missed a whole interval"
         window = auto_every_tokens(layer.num_units, k, per_step)
     else:
