@@ -113,7 +113,7 @@ def capture_activations(
                 writer = ShardWriter(staging, plan.layer_ids, storage, per_shard, first_sequence=first,
                                      rank=ranks.rank if processes > 1 else None)
                 _capture_share(recipe, plan, base, writer, first, stop, per_forward, say=say,
-                               progress=progress and ranks.rank == 0)
+                               progress=progress and ranks.rank == 0, write_token_cache=processes == 1)
                 share = (writer.shards, first, stop)
             except Exception as err:  # the others must hear of it, and rank 0 then removes the staging folder
                 if processes == 1:
@@ -147,12 +147,13 @@ def capture_activations(
 
 
 def _capture_share(recipe: Recipe, plan, base, writer: ShardWriter, first: int, stop: int, per_forward: int, *,
-                   say: Callable[[str], None], progress: bool) -> None:
-    """Forward the stream's sequences [first, stop) in batches of `per_forward` and hand the pairs to `writer`."""
+                   say: Callable[[str], None], progress: bool, write_token_cache: bool) -> None:
+    """Forward the stream's sequences [first, stop) in batches of `per_forward` and hand the pairs to `writer`.
+    `write_token_cache`: only a one-process capture writes data.token_cache (it reads the whole stream; a share of
+    it is not an entry)."""
     t = recipe.data.context_length
     capture = MlpCapture(base, plan.layer_ids, precision=recipe.train.capture_precision)
-    # One process writes the token cache (it reads the whole stream); a share of it is not an entry.
-    sequences = train_sequences(recipe.data, plan.tokenizer, write=world_size() == 1)(first)
+    sequences = train_sequences(recipe.data, plan.tokenizer, write=write_token_cache)(first)
     logged = 0
     with torch.no_grad(), matmul_precision(plan.device, recipe.train.tf32), \
             tqdm(total=stop - first, desc="capture", unit="seq", disable=not progress) as bar:

@@ -36,10 +36,12 @@ def recipe_summary(
         "local text: " + ", ".join(Path(p).name for p in data.paths))
     healing = {}
     if heal is not None:
+        if heal_schedule is None:
+            raise ValueError("a recipe with a heal: section needs the healing's resolved schedule (heal_schedule)")
         rest = f"LoRA r={heal.lora_r} on {heal.lora_target_modules}, merged" if heal.rest == "lora" else "frozen"
         healing = {
             "healing": f"end to end, {heal.objective} objective, {heal.tokens:,} tokens, lr {heal.lr}, "
-            f"{_warmup_and_decay(heal_schedule or recipe.heal_schedule())}; rest of the model {rest}",
+            f"{_warmup_and_decay(heal_schedule)}; rest of the model {rest}",
         }
     return {
         "training tokens": total_steps * train.tokens_per_step,

@@ -165,8 +165,9 @@ def run_identity(resolved_recipe: dict) -> dict:
     """What decides whether a folder's unfinished (or finished) run is the same run as `resolved_recipe`: the recipe
     without `output_dir` (the folder names itself: `runs/a`, `runs/a/`, `/abs/runs/a` and `../runs/a` from a
     subfolder are one folder), without the base's placement (device_map, max_memory, offload_folder: a run resumed
-with the base spread differently computes the same numbers), and with its local paths canonical (a base model folder, data.paths and eval_paths, the
-    activation cache), so a rerun spelled differently resumes instead of being refused; data.token_cache is left out
+    with the base spread differently computes the same numbers), and with its local paths canonical (a base model
+    folder, data.paths and eval_paths, the activation cache), so a rerun spelled differently resumes instead of
+    being refused; data.token_cache is left out
     (it changes where token ids come from, not which). A Hub id stays as it is."""
     tree = copy.deepcopy(dict(resolved_recipe))
     tree.pop("output_dir", None)

@@ -118,7 +118,6 @@ class Trainer(Engine):
             for i, layer in layers.items()
         }
         self.auxk_layers = set(layers) if plan.k_aux is not None else set()
-        self.k_aux = {i: plan.k_aux for i in self.auxk_layers}
         self.balancers = {
             i: SelectionBalancer(
                 layer, cfg.balance_rate, cfg.balance_floor if cfg.balance == "floor" else None,
@@ -179,9 +178,8 @@ class Trainer(Engine):
         without = sorted({layer.spec.kind for i, layer in self.layers.items() if i not in self.auxk_layers})
         parts = []
         if self.auxk_layers:
-            k_aux = sorted(set(self.k_aux.values()))
             parts.append(
-                f"AuxK on (train.auxk_coef={self.cfg.auxk_coef:g}, k_aux={'/'.join(map(str, k_aux))}, dead after "
+                f"AuxK on (train.auxk_coef={self.cfg.auxk_coef:g}, k_aux={self.plan.k_aux}, dead after "
                 f"{self.window_tokens:,} tokens) for layer(s) {sorted(self.auxk_layers)}"
             )
         if without:
@@ -254,7 +252,7 @@ class Trainer(Engine):
                 continue
             x, y = batch[i]
             with self.autocast:
-                auxk[i] = auxk_loss(self.layers[i], x, y, outputs[str(i)], tracker.dead_mask(), self.k_aux[i])
+                auxk[i] = auxk_loss(self.layers[i], x, y, outputs[str(i)], tracker.dead_mask(), self.plan.k_aux)
             total = total + self.cfg.auxk_coef * auxk[i]
         return total, (losses, auxk)
 

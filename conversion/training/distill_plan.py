@@ -41,10 +41,6 @@ class DistillPlan:
     code_share_floor: bool
     """The code-share penalty is on (train.code_share_floor > 0)."""
 
-    @property
-    def run_tokens(self) -> int:
-        return self.steps * self.tokens_per_step
-
 
 def plan_distillation(cfg: TrainConfig, layer: SparseLayer, steps: int) -> DistillPlan:
     """The plan of a distillation of `steps` optimizer steps of layers like `layer` under `cfg`."""
