@@ -63,7 +63,7 @@ def main() -> None:
     reference = _reference()
     with tempfile.TemporaryDirectory() as tmp:
         export_coders(args.model_dir, "sparsify", Path(tmp) / "sp")
-        export_coders(args.model_dir, "circuit-tracer", Path(tmp) / "ct")
+        export_coders(args.model_dir, "circuit-tracer", Path(tmp) / "ct", circuit_tracer_topk=True)
         coders = SparseCoder.load_many(str(Path(tmp) / "sp"), local=True)
         config, transcoders = reference.load_transcoder_set(Path(tmp) / "ct")
     k = config["k"]
@@ -74,7 +74,7 @@ def main() -> None:
           "|")
     print("|---|---|---|---|---|")
     for (i, (x, y)), (hook, coder), transcoder in zip(sorted(xy.items()), sorted(coders.items()), transcoders):
-        coder_layer = layers[i].topk_coder()
+        coder_layer = layers[i].sparse_coder()
         positive = (torch.nn.functional.linear(x, coder_layer.W_enc, coder_layer.b_enc) > 0).sum(-1)  # (T,)
         width = transcoder.d_transcoder - k
         bare = reference.SingleLayerTranscoder(x.shape[1], width, reference.TopK(k), transcoder.W_skip is not None)

@@ -24,7 +24,10 @@ def run_export(args: argparse.Namespace) -> int:
             verb = "applies" if len(given) == 1 else "apply"  # "--corpus applies", "--corpus and --layers apply"
             raise ExportError(f"{' and '.join(given)} only {verb} to --to delphi (a {args.to} export holds every layer's "
                               "weights, read from the folder without any text)")
-        out = export_coders(args.model_dir, args.to, args.output, base_model=args.base_model)
+        if args.circuit_tracer_topk and args.to != "circuit-tracer":
+            raise ExportError("--circuit-tracer-topk only applies to --to circuit-tracer")
+        out = export_coders(args.model_dir, args.to, args.output, base_model=args.base_model,
+                            circuit_tracer_topk=args.circuit_tracer_topk)
         print(f"expertize: wrote {args.to} export of {args.model_dir} to {out}")
         return 0
     from .inspection import InspectionSettings, parse_corpora
@@ -51,8 +54,8 @@ def add_export(sub) -> None:
         "export",
         help="a folder's sparse layers for sparsify, circuit-tracer or delphi (docs/export.md)",
         description="Write MODEL_DIR's sparse layers in another tool's own layout, named for the base model the "
-        "tool loads: sparsify (one cfg.json + sae.safetensors per hookpoint) and circuit-tracer (one TopK coder "
-        "per layer, every layer) hold the layers themselves and refuse a layer they cannot hold exactly; delphi "
+        "tool loads: sparsify (one cfg.json + sae.safetensors per hookpoint) and circuit-tracer (one JumpReLU "
+        "coder per layer, every layer) hold the layers themselves and refuse a layer they cannot hold exactly; delphi "
         "holds every activation over --corpus text (any kind).",
     )
     ex.later = _export_flags
@@ -67,6 +70,10 @@ def _export_flags(ex) -> None:
     ex.add_argument("output", help="the export's folder (must not exist, or be empty)")
     ex.add_argument("--base-model", help="the base model's Hub id or folder that the tool loads (default: the one "
                     "the folder records)")
+    ex.add_argument("--circuit-tracer-topk", action="store_true",
+                    help="write TopK layers for circuit-tracer installed from its repository (TopK since its PR "
+                    "#94); the registry's circuit-tracer 0.5.0 would read them as ReLU, so they are refused without "
+                    "this flag")
     delphi = ex.add_argument_group("--to delphi (the activations over text)")
     corpus_pass_flags(delphi, S, corpus_help="a named corpus (.txt, or .jsonl with a \"text\" field); repeatable")
     delphi.add_argument("--no-progress", action="store_true", help="no progress line")

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from expertize.modeling import SparseLayer, build_sparse_layer
+from expertize.modeling import SparseLayer, build_sparse_layer, link_cross_layer
 
 from .data.activations import ActivationBatches
 from .data.cache import cached_batches, open_matching_cache
@@ -241,7 +241,8 @@ def build_layers(plan: RunPlan, base, accelerator) -> Trained:
     """One sparse layer per target layer; `layer.init: split | copy` overwrites them with the base MLPs' weights and
     records what that costs before any training (ΔCE at initialization)."""
     recipe = plan.recipe
-    trained = Trained(layers={i: build_sparse_layer(plan.spec) for i in plan.layer_ids})
+    trained = Trained(layers={i: build_sparse_layer(plan.spec.at_layer(i, plan.layer_ids)) for i in plan.layer_ids})
+    link_cross_layer(trained.layers)  # a CLT's layers share their codes (each other kind: nothing to link)
     trained.distill = plan_distillation(recipe.train, next(iter(trained.layers.values())), plan.distill_steps)
     if recipe.layer.init == "default":
         return trained

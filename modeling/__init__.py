@@ -25,10 +25,18 @@ from .monet import (
     MonetVDLayer,
     MonetVDSpec,
 )
+from .jumprelu_transcoders import (
+    CltLayer,
+    CltSpec,
+    CrossLayerError,
+    JumpReluTranscoderLayer,
+    JumpReluTranscoderSpec,
+    link_cross_layer,
+)
 from .mumoe import MuMoECPSpec, MuMoELayer, MuMoESpec, MuMoETRSpec, entmax15
 from .mxd import MxdLayer, MxdSpec
 from .routed_neurons import RoutedNeuronsLayer, RoutedNeuronsSpec
-from .sparse_base import SparseLayer, TopKCoder
+from .sparse_base import Coder, SparseLayer
 from .sparse_code import SparseCode
 from .sparse_layers import LAYER_KINDS, build_sparse_layer, spec_from_dict
 from .sparse_spec import SparseSpec
@@ -37,6 +45,10 @@ from .transcoder import SkipTranscoderSpec, TranscoderLayer, TranscoderSpec
 register_auto_classes()
 
 __all__ = [
+    "CltLayer",
+    "CltSpec",
+    "Coder",
+    "CrossLayerError",
     "FAMILIES",
     "LAYER_KINDS",
     "ExpertizeGPT2Config",
@@ -53,6 +65,8 @@ __all__ = [
     "ExpertizeStableLmConfig",
     "Family",
     "MlpShape",
+    "JumpReluTranscoderLayer",
+    "JumpReluTranscoderSpec",
     "MoeXLayer",
     "MoeXRouting",
     "MoeXSpec",
@@ -75,10 +89,10 @@ __all__ = [
     "SparseCode",
     "SparseLayer",
     "SparseSpec",
-    "TopKCoder",
     "TranscoderLayer",
     "TranscoderSpec",
     "build_sparse_layer",
+    "link_cross_layer",
     "entmax15",
     "spec_from_dict",
 ]

@@ -58,6 +58,7 @@ from .configuration_expertize import (
     ExpertizeQwen3Config,
     ExpertizeStableLmConfig,
 )
+from .jumprelu_transcoders import link_cross_layer
 from .moe_x import MoeXLayer  # noqa: F401
 from .monet import MonetLayer  # noqa: F401
 from .mumoe import MuMoELayer  # noqa: F401
@@ -228,6 +229,7 @@ class ExpertizeBaseModelMixin(ExpertizeModelMixin):
         blocks = self.transformer_blocks()
         for index, spec in self.config.sparse_layer_specs().items():
             blocks[index].mlp = build_sparse_layer(spec)
+        link_cross_layer({index: blocks[index].mlp for index in self.config.sparse_layer_specs()})
         # Initializes only modules not yet flagged as initialized, i.e. the new sparse layers; refreshes tied keys.
         self.post_init()
 

@@ -76,7 +76,7 @@ class MoeXSpec(SparseSpec):
     """MoE-X's best rate was 3e-3 where the other kinds' was 1e-2, on tiny-gpt2-shakespeare (docs/results/all_kinds.md)
     and SmolLM2-135M layer 15 (benchmarks/smollm2_lr_sweep.yaml)."""
     title: ClassVar[str] = "MoE-X"
-    not_topk_coder: ClassVar[str] = (
+    not_sparse_coder: ClassVar[str] = (
         "a router picks the experts and weights them by a softmax over their scores, so the code is no "
         "TopK(ReLU(W_enc x + b_enc)) of one linear encoder"
     )

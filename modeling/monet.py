@@ -71,7 +71,7 @@ class MonetSpec(SparseSpec):
     """Fields shared by `monet_hd` and `monet_vd` (see the module docstring)."""
 
     activation_meaning: ClassVar[str] = "head-summed product-expert gate G_ij (unit i·S + j)"
-    not_topk_coder: ClassVar[str] = (
+    not_sparse_coder: ClassVar[str] = (
         "each product expert adds a small non-linear MLP of the token, V σ(U x + b¹) + b², under a routed gate: no "
         "fixed decoder row per expert"
     )

@@ -112,7 +112,7 @@ class MuMoESpec(SparseSpec):
     """Fields shared by `mumoe_cp` and `mumoe_tr` (this base class is not a registered kind)."""
 
     activation_meaning: ClassVar[str] = "soft gate coefficient a_n (entmax15: fires where a_n > 0)"
-    not_topk_coder: ClassVar[str] = (
+    not_sparse_coder: ClassVar[str] = (
         "expert n adds W_nᵀz + β_n, which depends on the token through the hidden code z, under a dense entmax "
         "gate: no fixed decoder row per expert and no TopK code"
     )

@@ -32,7 +32,7 @@ class MxdSpec(SparseSpec):
     kind = "mxd"
     activation_meaning: ClassVar[str] = "expert coefficient a_n = TopK(ReLU(G x + b_G))"
     title: ClassVar[str] = "Mixture of Decoders (MxD)"
-    not_topk_coder: ClassVar[str] = (
+    not_sparse_coder: ClassVar[str] = (
         "expert n adds c_n ⊙ (Dᵀz), which depends on the token through the hidden code z: no fixed decoder row "
         "per expert"
     )

@@ -42,7 +42,7 @@ class RoutedNeuronsSpec(SparseSpec):
         "where nonzero (selected, with h_n != 0)"
     )
     title: ClassVar[str] = "routed single-neuron experts (secret MoE)"
-    not_topk_coder: ClassVar[str] = (
+    not_sparse_coder: ClassVar[str] = (
         "a router chooses the neurons and weights them by a softmax gate, beside a dense shared MLP: the code is "
         "no TopK(ReLU(W_enc x + b_enc)) of one linear encoder"
     )

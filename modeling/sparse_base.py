@@ -1,5 +1,5 @@
 """The kind contract of the sparse layers: `SparseLayer`, the base class of every sparse MLP replacement (its
-capabilities with safe defaults), `TopKCoder`, and the activations the kinds share. The spec base class is in
+capabilities with safe defaults), `Coder`, and the activations the kinds share. The spec base class is in
 sparse_spec.py, the sparse code and its interventions in sparse_code.py, the shared kernels in sparse_kernels.py.
 
 Part of the Hub bundle: imports only torch, the standard library and sibling files.
@@ -37,13 +37,17 @@ def canonical_activation(name: str) -> str:
     return name
 
 
-class TopKCoder(NamedTuple):
-    """A layer that is exactly a TopK sparse coder, the one shape sparse-coder tools (sparsify, circuit-tracer) hold:
+class Coder(NamedTuple):
+    """A layer that is exactly a sparse coder, the shape sparse-coder tools (sparsify, circuit-tracer) hold:
 
-        y = W_decᵀ TopK_k(ReLU(W_enc x + b_enc)) + b_dec  (+ W_skip x)
+        y = W_decᵀ act(W_enc x + b_enc) + b_dec  (+ W_skip x)
 
-    The K units are chosen among the positive pre-activations, by `pre + b_select` where `b_select` is given (it
-    chooses, never weights). Tensors are the layer's own, detached."""
+    with `activation` one of
+        "topk"      TopK_k(ReLU(pre)): the K units are chosen among the positive pre-activations, by
+                    `pre + b_select` where `b_select` is given (it chooses, never weights);
+        "jumprelu"  pre · 1[pre > threshold], threshold (L,) > 0 (k is then the target L0 it was trained to);
+        "relu"      ReLU(pre).
+    Tensors are the layer's own, detached."""
 
     W_enc: torch.Tensor
     """(L, I) encoder rows."""
@@ -55,9 +59,14 @@ class TopKCoder(NamedTuple):
     """(O,)"""
     W_skip: torch.Tensor | None
     """(O, I) linear skip path, or None."""
-    k: int
-    b_select: torch.Tensor | None
-    """(L,) selection bias, or None."""
+    activation: str
+    """"topk", "jumprelu" or "relu"."""
+    k: int | None
+    """TopK's K, the JumpReLU target L0, None for ReLU."""
+    b_select: torch.Tensor | None = None
+    """(L,) selection bias (topk only), or None."""
+    threshold: torch.Tensor | None = None
+    """(L,) JumpReLU thresholds, or None."""
 
 
 class SparseLayer(CodeInterventions, nn.Module):
@@ -143,9 +152,9 @@ class SparseLayer(CodeInterventions, nn.Module):
 
     # -- what inspection asks (conversion/inspection/ reads these; it never switches on the kind) -------------------
 
-    def topk_coder(self) -> TopKCoder | None:
-        """The layer as a TopK sparse coder when it is exactly one (`TopKCoder`), else None; the spec's
-        `not_topk_coder` says why not. What `expertize export` writes for sparsify and circuit-tracer."""
+    def sparse_coder(self) -> Coder | None:
+        """The layer as a sparse coder when it is exactly one (`Coder`: TopK, JumpReLU or ReLU), else None; the spec's
+        `not_sparse_coder` says why not. What `expertize export` writes for sparsify and circuit-tracer."""
         return None
 
     router_distribution: str | None = None
@@ -200,6 +209,13 @@ class SparseLayer(CodeInterventions, nn.Module):
         none (the trainer then leaves the layer's init as it is). A kind with such a bias returns its parameter."""
         return None
 
+    @torch.no_grad()
+    def init_from_inputs(self, x: torch.Tensor) -> list[nn.Parameter]:
+        """Called once by distillation with the first training batch's inputs x (T, I), before the first step (a
+        fresh run, not a resumed one): a kind whose parameters start best from the data sets them here (JumpReLU:
+        its thresholds) and returns them, which the trainer then averages over ranks. Default: nothing."""
+        return []
+
     def average_code_output(self, x: torch.Tensor, mean_weights: torch.Tensor) -> torch.Tensor:
         """The layer's output on x (..., I) with every token's code replaced by the average code `mean_weights` (N,)
         (each unit at its mean weight over some tokens): (..., O). What the code probe measures the code share with
@@ -218,6 +234,10 @@ class SparseLayer(CodeInterventions, nn.Module):
             return self(x)
         finally:
             handle.remove()
+
+    reads_other_layers = False
+    """True where the output also reads other layers' codes of the same pass (a placed cross-layer transcoder,
+    jumprelu_transcoders.py): such a layer runs only in its model's order, never alone on captured inputs."""
 
     supports_auxk = False
     """Whether dead units can model the residual error through `auxk_reconstruction` (AuxK, Gao et al. 2024;

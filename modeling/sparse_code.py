@@ -15,9 +15,18 @@ class SparseCode(NamedTuple):
     """The sparse part of a layer's computation for each token."""
 
     top_k_index: torch.Tensor
-    """(..., K) int64 ids of the active experts / latents."""
+    """(..., K) int64 ids of the selected experts / latents. Selected is not fired: a slot of weight 0 adds nothing
+    (a TopK code lists K units on every token, also where fewer than K pre-activations are positive and the ReLU
+    zeroed the rest; a JumpReLU code pads tokens with fewer firing latents than the call's busiest). Count firings
+    with `fired()`, never from the ids alone."""
     top_k_weights: torch.Tensor
-    """(..., K) their coefficients (post-activation, post-TopK)."""
+    """(..., K) their coefficients (post-activation, post-TopK); 0 in a slot that did not fire."""
+
+    def fired(self) -> torch.Tensor:
+        """(..., K) bool: the slots whose unit fired, weight != 0 (`SparseLayer.active_entries`, the rule every
+        statistic of this project counts with: a unit of nonzero weight adds weight x its direction to the output,
+        whatever the sign)."""
+        return self.top_k_weights != 0
 
     def flat(self) -> "SparseCode":
         """The same code with the leading dims flattened: (..., K) -> (T, K)."""

@@ -20,6 +20,17 @@ def sparse_rows_sum(code: SparseCode, rows: torch.Tensor) -> torch.Tensor:
     )
 
 
+def decode_rows(code: SparseCode, W_dec: torch.Tensor, b_dec: torch.Tensor, x: torch.Tensor,
+                W_skip: torch.Tensor | None = None) -> torch.Tensor:
+    """A coder's output: Σ_k w_k · W_dec[idx_k] + b_dec (+ W_skip x). code (..., K), W_dec (N, O), b_dec (O,),
+    x (..., I) the input, W_skip (O, I) or None. Returns (..., O)."""
+    lead = x.shape[:-1]
+    out = sparse_rows_sum(code.flat(), W_dec) + b_dec  # (T, O)
+    if W_skip is not None:
+        out = out + F.linear(x.reshape(-1, x.shape[-1]), W_skip)
+    return out.view(*lead, -1)
+
+
 def relu_topk(
     pre: torch.Tensor, k: int, selection_bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,3 +213,47 @@ def dead_relu_topk(
     # F.embedding, not bias[index]: its backward is deterministic (as routed_neurons' neuron_activations).
     values = GatheredDot.apply(x, weight, index) + F.embedding(index, bias.unsqueeze(-1)).squeeze(-1)  # (T, k_aux)
     return F.relu(values) * dead_mask[index], index  # live fillers -> 0
+
+
+def _rectangle(u: torch.Tensor) -> torch.Tensor:
+    """The rectangle kernel of the JumpReLU straight-through estimator: 1 on |u| < 1/2, else 0."""
+    return ((u > -0.5) & (u < 0.5)).to(u.dtype)
+
+
+class JumpReLU(torch.autograd.Function):
+    """pre · 1[pre > θ] with the straight-through estimator of Rajamanoharan et al. 2024 (arXiv 2407.14435, eq. 11):
+
+        ∂/∂pre = 1[pre > θ]                       (the exact derivative away from the jump)
+        ∂/∂θ   = -(θ/ε) · rect((pre - θ)/ε)        (the jump's pseudo-derivative, nonzero within ε/2 of θ)
+
+    pre (T, N), threshold θ (N,) > 0, bandwidth ε (N,) > 0. The forward is what circuit-tracer's JumpReLU computes."""
+
+    @staticmethod
+    def forward(ctx, pre: torch.Tensor, threshold: torch.Tensor, bandwidth: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(pre, threshold, bandwidth)
+        return pre * (pre > threshold)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        pre, threshold, bandwidth = ctx.saved_tensors
+        grad_pre = grad * (pre > threshold)
+        window = _rectangle((pre - threshold) / bandwidth)  # (T, N)
+        grad_threshold = -(threshold / bandwidth) * (grad * window).sum(0)  # (N,)
+        return grad_pre, grad_threshold, None
+
+
+class JumpStep(torch.autograd.Function):
+    """1[pre > θ], the per-entry L0, with the straight-through estimator for θ (Rajamanoharan et al. 2024, eq. 12):
+    ∂/∂θ = -(1/ε) · rect((pre - θ)/ε); no gradient to pre (the L0 penalty moves thresholds, not the encoder).
+    pre (T, N), threshold θ (N,), bandwidth ε (N,)."""
+
+    @staticmethod
+    def forward(ctx, pre: torch.Tensor, threshold: torch.Tensor, bandwidth: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(pre, threshold, bandwidth)
+        return (pre > threshold).to(pre.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        pre, threshold, bandwidth = ctx.saved_tensors
+        window = _rectangle((pre - threshold) / bandwidth)  # (T, N)
+        return None, -(grad * window).sum(0) / bandwidth, None

@@ -2,6 +2,7 @@
 
 from typing import Any
 
+from .jumprelu_transcoders import CltLayer, CltSpec, JumpReluTranscoderLayer, JumpReluTranscoderSpec
 from .moe_x import MoeXLayer, MoeXSpec
 from .monet import MonetHDLayer, MonetHDSpec, MonetVDLayer, MonetVDSpec
 from .mumoe import MuMoECPSpec, MuMoELayer, MuMoETRSpec
@@ -21,6 +22,8 @@ LAYER_KINDS: dict[str, tuple[type[SparseSpec], type[SparseLayer]]] = {
     "routed_neurons": (RoutedNeuronsSpec, RoutedNeuronsLayer),
     "transcoder": (TranscoderSpec, TranscoderLayer),
     "skip_transcoder": (SkipTranscoderSpec, TranscoderLayer),
+    "jumprelu_transcoder": (JumpReluTranscoderSpec, JumpReluTranscoderLayer),
+    "clt": (CltSpec, CltLayer),
 }
 
 DEFAULT_KIND = "mxd"

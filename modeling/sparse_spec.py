@@ -98,11 +98,17 @@ class SparseSpec:
     1 for kinds whose best rate was the rule's on the models measured; below 1 for kinds that train best slower."""
     code_unit_name: ClassVar[str | None] = None
     """What one id of the sparse code denotes, when it is not a `unit_name` (MoE-X: "hidden unit" of an expert)."""
-    not_topk_coder: ClassVar[str] = (
+    not_sparse_coder: ClassVar[str] = (
         "its output is not a sum of fixed decoder rows weighted by TopK(ReLU(W_enc x + b_enc))"
     )
-    """Why this kind's layer is not a TopK sparse coder (`SparseLayer.topk_coder` gives None), the one shape that
+    """Why this kind's layer is not a TopK sparse coder (`SparseLayer.sparse_coder` gives None), the one shape that
     sparsify and circuit-tracer hold: `expertize export` refuses such a layer with this reason."""
+
+    coder_activation: ClassVar[str | None] = None
+    """The activation of the layer's `Coder` ("topk", "jumprelu", "relu") where the layer is exactly a sparse coder
+    (`SparseLayer.sparse_coder`), else None: what the exporters tell the tools that read coders."""
+    cross_layer: ClassVar[bool] = False
+    """Whether the kind's layers read each other's codes (a cross-layer transcoder): converted and exported as one."""
 
     d_in: int
     d_out: int
@@ -179,6 +185,12 @@ class SparseSpec:
         of `num_latents` latents, where the kind has a rule of its own (a transcoder: exactly `num_latents`; MxD's
         "paper" convention); None: the exact search (the largest value within the transcoder's parameter count)."""
         return None
+
+    def at_layer(self, index: int, layer_ids: list[int]) -> "SparseSpec":
+        """The spec of the layer this kind builds at model layer `index` when a recipe converts `layer_ids`: itself,
+        for every kind whose layers are independent; a kind whose layers read each other (the cross-layer transcoder)
+        names its sources here."""
+        return self
 
     def num_parameters(self) -> int:
         raise NotImplementedError

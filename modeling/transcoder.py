@@ -13,11 +13,10 @@ from typing import ClassVar
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-from .sparse_base import SparseLayer, TopKCoder, linear_bound, uniform_
+from .sparse_base import Coder, SparseLayer, linear_bound, uniform_
 from .sparse_code import SparseCode
-from .sparse_kernels import LinearReluTopK, dead_relu_topk, sparse_rows_sum
+from .sparse_kernels import LinearReluTopK, dead_relu_topk, decode_rows, sparse_rows_sum
 from .sparse_spec import SparseSpec, _require_bool, _require_int, arxiv_bibtex
 
 
@@ -44,6 +43,7 @@ class TranscoderSpec(SparseSpec):
     the positive ones, never to weight (auxiliary-loss-free balancing; the trainer moves it, `train.balance`)."""
 
     skip_connection = False  # class constant; the skip transcoder sets it
+    coder_activation: ClassVar[str | None] = "topk"
 
     def validate(self) -> None:
         super().validate()
@@ -99,12 +99,12 @@ class TranscoderLayer(SparseLayer):
     def output_directions(self) -> torch.Tensor:
         return self.W_dec.detach()  # latent l adds W_dec[l] per unit of its value: (L, O)
 
-    def topk_coder(self) -> TopKCoder:
+    def sparse_coder(self) -> Coder:
         """Exactly the shape the sparse-coder tools hold (sparsify's transcoders, circuit-tracer's)."""
         skip = None if self.W_skip is None else self.W_skip.detach()
         select = None if self.b_select is None else self.b_select.detach()
-        return TopKCoder(self.W_enc.detach(), self.b_enc.detach(), self.W_dec.detach(), self.b_dec.detach(), skip,
-                         int(self.spec.k), select)
+        return Coder(self.W_enc.detach(), self.b_enc.detach(), self.W_dec.detach(), self.b_dec.detach(), skip,
+                     "topk", int(self.spec.k), select)
     supports_auxk = True
     """Dead latents can model the residual error (`auxk_reconstruction`; conversion/training/auxk.py)."""
 
@@ -157,12 +157,7 @@ class TranscoderLayer(SparseLayer):
         return self._hook_code(index, values, lead)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        lead = hidden_states.shape[:-1]
-        x = hidden_states.reshape(-1, hidden_states.shape[-1])  # (T, I)
-        out = sparse_rows_sum(self.encode(hidden_states).flat(), self.W_dec) + self.b_dec  # (T, O)
-        if self.W_skip is not None:
-            out = out + F.linear(x, self.W_skip)
-        return out.view(*lead, -1)
+        return decode_rows(self.encode(hidden_states), self.W_dec, self.b_dec, hidden_states, self.W_skip)
 
     supports_resampling = True
 

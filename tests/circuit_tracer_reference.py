@@ -14,6 +14,10 @@ transformers < 5). Followed: github.com/safety-research/circuit-tracer
   0..max and one d_transcoder.
 - circuit_tracer/transcoder/activation_functions.py `TopK` (commit b00048e4): the top k by value, no ReLU,
   x * gate.
+- The registry's circuit-tracer 0.5.0 (what a JumpReLU set is for; tests/test_circuit_tracer_e2e.py runs the real
+  one): `load_transcoder_set` -> `load_relu_transcoder` ignores config.yaml's activation and k; the layer is
+  JumpReLU(threshold) (x * (x > threshold), the threshold under the key `activation_function.threshold`) when the file
+  has that key, else ReLU.
 
 Standalone (torch, safetensors, PyYAML): run in a subprocess that cannot import expertize.
 """
@@ -36,6 +40,15 @@ class TopK(nn.Module):
         index = torch.topk(x, k=self.k, dim=-1).indices
         gate = torch.zeros_like(x).scatter_(-1, index, 1)
         return x * gate
+
+
+class JumpReLU(nn.Module):
+    def __init__(self, threshold: torch.Tensor) -> None:
+        super().__init__()
+        self.threshold = nn.Parameter(threshold)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (x > self.threshold)
 
 
 class SingleLayerTranscoder(nn.Module):
@@ -64,14 +77,21 @@ def load_transcoder_set(folder: str | Path) -> tuple[dict, list[SingleLayerTrans
     folder = Path(folder)
     config = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
     assert config["model_kind"] == "transcoder_set", config
-    assert config["activation"] == "topk" and config["k"] is not None, config
+    topk = config.get("activation") == "topk"  # only circuit-tracer from its repository reads these two keys
+    assert not topk or config["k"] is not None, config
     n = len(list(folder.glob("layer_*.safetensors")))
     transcoders = []
     for layer in range(n):
         with safe_open(str(folder / f"layer_{layer}.safetensors"), framework="pt") as f:
             params = {key: f.get_tensor(key) for key in f.keys()}
         d_transcoder, d_model = params["b_enc"].shape[0], params["b_dec"].shape[0]
-        transcoder = SingleLayerTranscoder(d_model, d_transcoder, TopK(config["k"]), params.get("W_skip") is not None)
+        if topk:
+            activation = TopK(config["k"])
+        elif "activation_function.threshold" in params:
+            activation = JumpReLU(torch.zeros_like(params["activation_function.threshold"]))
+        else:
+            activation = nn.ReLU()
+        transcoder = SingleLayerTranscoder(d_model, d_transcoder, activation, params.get("W_skip") is not None)
         transcoder.load_state_dict(params, strict=True)
         transcoders.append(transcoder)
     assert len({t.d_transcoder for t in transcoders}) == 1, "all transcoders must have the same d_transcoder"

@@ -71,6 +71,14 @@ ROWS: dict[str, KindRow] = {
                         (dict(encoder="moe"), r"mxd.encoder must be one of"))),
         KindRow("transcoder", dict(num_latents=64, k=4), dict(selection_bias=True)),
         KindRow("skip_transcoder", dict(num_latents=64, k=4), dict(selection_bias=True)),
+        # A lone CLT layer here (sources unset: it reads only its own latents); tests/test_clt.py places layers
+        # across a model and checks what they read from each other.
+        KindRow("clt", dict(num_latents=64, k=4), dict(sparsity_coef=0.5, bandwidth=0.25),
+                errors=((dict(skip_connection=True), r"clt.skip_connection must be false"),
+                        (dict(sources=[1, 0]), r"clt.sources must be a non-empty ascending list"))),
+        KindRow("jumprelu_transcoder", dict(num_latents=64, k=4), dict(skip_connection=True, sparsity_coef=0.5),
+                errors=((dict(k=65), r"jumprelu_transcoder.k=65 exceeds jumprelu_transcoder.num_latents=64"),
+                        (dict(bandwidth=0), r"jumprelu_transcoder.bandwidth must be a positive number, got 0"))),
         KindRow("moe_x", dict(d_expert=8, num_experts=8, k=2, decoder_init="paper"),
                 dict(router="switch", expert_glu=True, expert_bias=True, activation="gelu_new", selection_bias=True),
                 errors=(

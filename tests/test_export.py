@@ -41,19 +41,23 @@ def _export(capsys, *args) -> tuple[int, str]:
 
 @pytest.mark.parametrize("variant", [False, True])
 @pytest.mark.parametrize("kind", KINDS)
-def test_topk_coder_computes_the_layer_or_the_kind_says_why_not(kind, variant):
+def test_sparse_coder_computes_the_layer_or_the_kind_says_why_not(kind, variant):
     layer = randomized(build_sparse_layer(tiny_spec(kind, variant=variant)), seed=3).eval()
-    coder = layer.topk_coder()
+    coder = layer.sparse_coder()
     spec_class = LAYER_KINDS[kind][0]
     if coder is None:
         assert kind in OTHER_KINDS
-        assert spec_class.not_topk_coder != SparseSpec.not_topk_coder, f"{kind} must say why it is no TopK coder"
+        assert spec_class.not_sparse_coder != SparseSpec.not_sparse_coder, f"{kind} must say why it is no sparse coder"
         return
     x = torch.randn(200, layer.spec.d_in, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     pre = torch.nn.functional.linear(x, coder.W_enc, coder.b_enc)  # (T, L)
-    score = pre if coder.b_select is None else torch.where(pre > 0, pre + coder.b_select, float("-inf"))
-    index = score.topk(coder.k, dim=-1).indices  # (T, K)
-    dense = torch.zeros_like(pre).scatter_(-1, index, pre.gather(-1, index).relu())  # TopK(ReLU(pre)), (T, L)
+    if coder.activation == "topk":
+        score = pre if coder.b_select is None else torch.where(pre > 0, pre + coder.b_select, float("-inf"))
+        index = score.topk(coder.k, dim=-1).indices  # (T, K)
+        dense = torch.zeros_like(pre).scatter_(-1, index, pre.gather(-1, index).relu())  # TopK(ReLU(pre)), (T, L)
+    else:  # circuit-tracer's JumpReLU: x * (x > threshold), thresholds > 0
+        assert coder.activation == "jumprelu" and coder.b_select is None and bool((coder.threshold > 0).all())
+        dense = pre * (pre > coder.threshold)
     expected = dense @ coder.W_dec + coder.b_dec
     if coder.W_skip is not None:
         expected = expected + x @ coder.W_skip.T
@@ -64,15 +68,15 @@ def test_topk_coder_computes_the_layer_or_the_kind_says_why_not(kind, variant):
 
 
 @pytest.mark.parametrize("target", ["sparsify", "circuit-tracer"])
-@pytest.mark.parametrize("kind", OTHER_KINDS)
+@pytest.mark.parametrize("kind", [k for k in OTHER_KINDS if not LAYER_KINDS[k][0].cross_layer])  # tests/test_clt.py
 def test_kinds_without_fixed_decoder_rows_are_refused(kind, target, tmp_path, capsys):
     folder = model_folder(tmp_path, {0: sparse_layer(kind), 1: sparse_layer(kind, seed=1)})
     code, err = _export(capsys, folder, "--to", target, tmp_path / "out")
     spec = LAYER_KINDS[kind][0]
     assert code == 2 and len(err.splitlines()) == 1, err
     assert err == (
-        f"expertize export: error: layer 0 ({spec.title}) cannot be written for {target}: {spec.not_topk_coder}; "
-        f"{target} holds TopK sparse coders only (kinds: {', '.join(exportable_kinds())})"
+        f"expertize export: error: layer 0 ({spec.title}) cannot be written for {target}: {spec.not_sparse_coder}; "
+        f"{target} holds sparse coders only (kinds: {', '.join(exportable_kinds())})"
     )
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
 
@@ -112,7 +116,7 @@ def test_a_selection_bias_that_changes_the_choice_is_refused(tmp_path, capsys):
 )
 def test_circuit_tracer_refuses_a_set_it_cannot_hold(layers, expected, tmp_path, capsys):
     folder = model_folder(tmp_path, {i: sparse_layer("transcoder", seed=i, **f) for i, f in layers.items()})
-    code, err = _export(capsys, folder, "--to", "circuit-tracer", tmp_path / "out")
+    code, err = _export(capsys, folder, "--to", "circuit-tracer", tmp_path / "out", "--circuit-tracer-topk")
     assert code == 2 and len(err.splitlines()) == 1
     assert re.fullmatch("expertize export: error: " + expected, err), err
     assert not (tmp_path / "out").exists()
@@ -162,8 +166,8 @@ def test_exports_and_saved_models_are_as_readable_as_a_run_folder(umask, tmp_pat
     old = os.umask(umask)
     try:
         folder = model_folder(tmp_path, {0: sparse_layer("transcoder"), 1: sparse_layer("transcoder", seed=1)})
-        for target in ("sparsify", "circuit-tracer"):
-            assert _export(capsys, folder, "--to", target, tmp_path / target)[0] == 0
+        for target, flags in (("sparsify", ()), ("circuit-tracer", ("--circuit-tracer-topk",))):
+            assert _export(capsys, folder, "--to", target, tmp_path / target, *flags)[0] == 0
         (tmp_path / "a-run-folder").mkdir()  # as RunFolder and inspect's report folder make theirs
     finally:
         os.umask(old)
@@ -257,7 +261,7 @@ def test_circuit_tracer_set_equals_every_layer_on_every_token(tmp_path, capsys):
         for layer in layers.values():
             layer.b_enc.fill_(-2.5)
     folder = model_folder(tmp_path, layers)
-    assert _export(capsys, folder, "--to", "circuit-tracer", tmp_path / "ct")[0] == 0
+    assert _export(capsys, folder, "--to", "circuit-tracer", tmp_path / "ct", "--circuit-tracer-topk")[0] == 0
     seen = mlp_inputs_outputs(load_expertize_model(folder).eval(), held_out_ids())
     torch.save({"x": {i: x for i, (x, _) in seen.items()}, "y": {i: y for i, (_, y) in seen.items()}},
                tmp_path / "reference.pt")
@@ -273,6 +277,59 @@ def test_circuit_tracer_set_equals_every_layer_on_every_token(tmp_path, capsys):
     # Both cases occur: tokens with at least K positive pre-activations, and the ones the zero latents are for.
     assert all(0.2 < f < 1 for f in report["fewer_than_k"].values()), report
     assert all(d > 0.1 for d in report["unpadded_diff"].values()), report  # and without them it differs
+
+
+def test_a_topk_set_is_never_written_for_the_registry_circuit_tracer(tmp_path, capsys):
+    """circuit-tracer 0.5.0 reads a TopK file as a ReLU transcoder without a word: refused unless asked for by name,
+    and a JumpReLU layer is refused by sparsify (TopK only), each in one line, nothing written."""
+    folder = model_folder(tmp_path, {0: sparse_layer("transcoder"), 1: sparse_layer("transcoder", seed=1)})
+    code, err = _export(capsys, folder, "--to", "circuit-tracer", tmp_path / "out")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "layers are TopK coders, which the registry's circuit-tracer (0.5.0) reads silently as ReLU" in err
+    assert "train a kind it reads, jumprelu_transcoder (layer.kind" in err and "pass --circuit-tracer-topk" in err
+    assert not (tmp_path / "out").exists()
+    jump = model_folder(tmp_path, {0: sparse_layer("jumprelu_transcoder"), 1: sparse_layer("transcoder", seed=1)},
+                        name="mixed")
+    code, err = _export(capsys, jump, "--to", "circuit-tracer", tmp_path / "out", "--circuit-tracer-topk")
+    assert code == 2 and "mixes TopK layers ([1]) with others" in err, err
+    code, err = _export(capsys, jump, "--to", "sparsify", tmp_path / "out")
+    assert code == 2 and err == (
+        "expertize export: error: layer 0 (JumpReLU transcoder) is a jumprelu coder and sparsify computes topk only, "
+        "so it would read it as another layer; export it --to circuit-tracer or delphi"), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_jumprelu_set_equals_every_layer_as_circuit_tracer_loads_it(tmp_path, capsys):
+    """The JumpReLU set as the registry's circuit-tracer loads it (its `load_relu_transcoder`, restated): every layer's
+    output on every token, with the thresholds under the key 0.5.0 reads; no zero latents, no activation key."""
+    layers = {0: sparse_layer("jumprelu_transcoder"), 1: sparse_layer("jumprelu_transcoder", seed=1, skip_connection=True)}
+    folder = model_folder(tmp_path, layers)
+    assert _export(capsys, folder, "--to", "circuit-tracer", tmp_path / "ct")[0] == 0
+    seen = mlp_inputs_outputs(load_expertize_model(folder).eval(), held_out_ids())
+    torch.save({"x": {i: x for i, (x, _) in seen.items()}, "y": {i: y for i, (_, y) in seen.items()}},
+               tmp_path / "reference.pt")
+    script = REFERENCE + """
+import json, sys
+import torch
+config, transcoders = load_transcoder_set(sys.argv[1])
+ref = torch.load("reference.pt")
+with torch.no_grad():
+    report = {"config": config, "diff": {i: (t(ref["x"][i]) - ref["y"][i]).abs().max().item()
+                                          for i, t in enumerate(transcoders)},
+              "l0": {i: (t.encode(ref["x"][i]) != 0).sum(-1).float().mean().item() for i, t in enumerate(transcoders)},
+              "kind": [type(t.activation_function).__name__ for t in transcoders]}
+print(json.dumps(report))
+"""
+    report = json.loads(run_isolated(script, tmp_path, args=(str(tmp_path / "ct"),)).splitlines()[-1])
+    assert report["config"] == {
+        "model_kind": "transcoder_set", "model_name": str((tmp_path / "base-llama").resolve()),
+        "feature_input_hook": "mlp.hook_in", "feature_output_hook": "mlp.hook_out", "scan": "base-llama/model",
+    }
+    assert report["kind"] == ["JumpReLU", "JumpReLU"]
+    assert all(d <= 1e-5 for d in report["diff"].values()), report
+    assert all(0 < l0 < 64 for l0 in report["l0"].values()), report  # some latents fire, not all
+    record = json.loads((tmp_path / "ct" / "expertize_export.json").read_text())
+    assert "zero_latents_appended" not in record
 
 
 # -- a recipe over every layer, then one command to a circuit-tracer set ---------------------------------------------
@@ -291,7 +348,7 @@ def test_a_recipe_over_every_layer_exports_a_circuit_tracer_set(tiny_run, capsys
     assert sorted(json.loads((out / "metrics.json").read_text())["layers"]) == ["0", "1"]
     assert yaml.safe_load((out / "recipe.resolved.yaml").read_text())["layers"] == "all"
     assert "the MLPs of layers 0 and 1 replaced by TopK transcoder layers" in (out / "README.md").read_text()
-    assert _export(capsys, out, "--to", "circuit-tracer", tmp_path / "ct") == (0, "")
+    assert _export(capsys, out, "--to", "circuit-tracer", tmp_path / "ct", "--circuit-tracer-topk") == (0, "")
     config = yaml.safe_load((tmp_path / "ct" / "config.yaml").read_text())
     assert config["model_name"] == str((tmp_path / "base").resolve()) and config["k"] == 4
     assert sorted(p.name for p in (tmp_path / "ct").glob("layer_*")) == ["layer_0.safetensors", "layer_1.safetensors"]

@@ -6,7 +6,9 @@
    package's exports (modeling/__init__.py). conversion/ asks the spec and the layer (modeling/sparse_base.py's
    contract) and never names a kind. "In code" means identifiers and string literals (f-string parts included),
    read with `ast`; comments and docstrings (any bare string statement: module, class, function and attribute
-   docstrings) are prose and may name kinds, as may conversion/'s documentation and data files (*.md, *.jsonl).
+   docstrings) are prose and may name kinds, as may a spec's prose facts (`PROSE_FACTS`: its title, citation, what an
+   activation means, why it is no sparse coder: "JumpReLU transcoder" names a method, it switches on nothing) and
+   conversion/'s documentation and data files (*.md, *.jsonl).
    A kind name inside a longer string counts where it stands as a word of its own (`'mxd'`, "moe_x layer", "a
    transcoder's"); inside a longer name ("gpt2-mxd-l8", "match_transcoder") it does not.
 2. The remote-code loader sees every kind. transformers copies an entry file and, recursively, the files it imports
@@ -112,6 +114,22 @@ def _identifiers(node: ast.AST) -> list[str]:
     return []
 
 
+PROSE_FACTS = ("title", "citation", "activation_meaning", "not_sparse_coder", "code_unit_name")
+"""A spec's facts that are prose shown to people (modeling/sparse_spec.py): string literals assigned to them are
+read as docstrings are."""
+
+
+def _prose_fact_strings(tree: ast.AST) -> set[int]:
+    """ids of the string constants inside the values assigned to `PROSE_FACTS` names."""
+    found = set()
+    for node in ast.walk(tree):
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+        if isinstance(target, ast.Name) and target.id in PROSE_FACTS and node.value is not None:
+            found |= {id(n) for n in ast.walk(node.value) if isinstance(n, ast.Constant)}
+    return found
+
+
 def python_mentions(source: str, path: str, words: set[str]) -> list[Mention]:
     """Kind names in the identifiers and non-docstring string literals of one Python source."""
     tree = ast.parse(source)
@@ -119,7 +137,7 @@ def python_mentions(source: str, path: str, words: set[str]) -> list[Mention]:
         id(node.value)
         for node in ast.walk(tree)
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
-    }
+    } | _prose_fact_strings(tree)
     pattern = _word_pattern(words)
     found = []
     for node in ast.walk(tree):

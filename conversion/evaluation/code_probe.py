@@ -69,8 +69,13 @@ class CodeProbe:
             out["raised_firing"] = int((raised.cpu() & (self.chosen > 0)).sum())
         if not self.xs:
             return out
-        x, y = torch.cat(self.xs), torch.cat(self.ys)  # (T, I), (T, O)
         layer = self.layer
+        if layer.reads_other_layers:
+            # A placed CLT layer's output is its sources' codes through fixed decoders plus a bias: no dense path, so
+            # the code carries everything it explains (share 1, as a transcoder's measures); it cannot run alone.
+            out["code_share"] = 1.0
+            return out
+        x, y = torch.cat(self.xs), torch.cat(self.ys)  # (T, I), (T, O)
         y_hat = torch.cat([layer(c) for c in x.split(CHUNK_TOKENS)])  # (T, O)
         codes = [layer.encode(c).flat() for c in x.split(CHUNK_TOKENS)]
         mean = torch.zeros(layer.num_units, dtype=torch.float64, device=x.device)  # (N,) mean weight per unit

@@ -13,11 +13,12 @@ CODER_TARGETS = ("sparsify", "circuit-tracer")
 
 
 def export_coders(model_dir: str | os.PathLike, target: str, output: str | os.PathLike, *,
-                  base_model: str | None = None) -> Path:
+                  base_model: str | None = None, circuit_tracer_topk: bool = False) -> Path:
     """Write every sparse layer of `model_dir` for `target` (one of `CODER_TARGETS`) into the new folder `output`.
 
     Everything that can be refused is refused before the weights load: a layer no TopK coder (its kind's reason),
-    for circuit-tracer a layer set that is not every layer at one width and one k, an unnamed base model, an output
+    for circuit-tracer a layer set that is not every layer at one width (and one k), TopK layers unless
+    `circuit_tracer_topk` (the registry's circuit-tracer would read them as ReLU), an unnamed base model, an output
     that exists or cannot be written. A selection bias is read from the weights, then refused the same way."""
     import json
 
@@ -26,18 +27,21 @@ def export_coders(model_dir: str | os.PathLike, target: str, output: str | os.Pa
     from ..progress import quiet_library_progress
     from ..surgery.families import family_info
     from ..surgery.splice import load_expertize_model
-    from .circuit_tracer import check_transcoder_set, write_circuit_tracer
+    from .circuit_tracer import check_transcoder_set, is_clt, write_attribution_kit, write_circuit_tracer
     from .sparsify import write_sparsify
 
     if target not in CODER_TARGETS:
         raise ExportError(f"unknown export target {target!r}; choose one of {', '.join(CODER_TARGETS)} or delphi")
     config = checked_source(model_dir)
     name = base_model_name(model_dir, base_model)
+    if is_clt(config["sparse_layers"]):
+        return _export_clt(model_dir, config, target, output, name)
     planned = planned_coders(config["sparse_layers"], target)
     if target == "circuit-tracer":
         num_layers = family_info(config["model_type"]).config_class.from_pretrained(model_dir).num_hidden_layers
         check_transcoder_set({i: c.W_enc.shape[0] for i, c in planned.items()}, {i: c.k for i, c in planned.items()},
-                             num_layers, str(model_dir))
+                             {i: c.activation for i, c in planned.items()}, num_layers, str(model_dir),
+                             allow_topk=circuit_tracer_topk)
     need = sum(4 * sum(t.numel() for t in c if hasattr(t, "numel")) for c in planned.values())  # float32 bound
     with quiet_library_progress():  # one line of outcome, no loading bar
         layers = coder_layers(load_expertize_model(model_dir), target)
@@ -53,6 +57,41 @@ def export_coders(model_dir: str | os.PathLike, target: str, output: str | os.Pa
             write_sparsify(layers, staging)
         else:
             write_circuit_tracer(layers, staging, model_name=name, scan=f"{Path(name).name}/{record['source']}")
-            record["zero_latents_appended"] = layers[0].coder.k  # ids >= the layer's width never fire
+            write_attribution_kit(Path(model_dir), staging)
+            if layers[0].coder.activation == "topk":
+                record["zero_latents_appended"] = layers[0].coder.k  # ids >= the layer's width never fire
+        (staging / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return Path(output)
+
+
+def _export_clt(model_dir, config: dict, target: str, output, name: str) -> Path:
+    """A cross-layer transcoder's folder, as circuit-tracer's CLT (the only target that holds one)."""
+    import json
+
+    from expertize import __version__
+
+    from expertize.modeling import LAYER_KINDS
+
+    from ..progress import quiet_library_progress
+    from ..surgery.families import family_info
+    from ..surgery.splice import load_expertize_model
+    from .circuit_tracer import check_clt, write_attribution_kit, write_circuit_tracer_clt
+
+    title = next(LAYER_KINDS[f["kind"]][0].title for f in config["sparse_layers"].values())
+    if target != "circuit-tracer":
+        raise ExportError(f"{model_dir} is a {title}, which {target} cannot hold (a layer's output reads every earlier "
+                          "layer's latents); export it --to circuit-tracer or delphi")
+    num_layers = family_info(config["model_type"]).config_class.from_pretrained(model_dir).num_hidden_layers
+    check_clt(config["sparse_layers"], num_layers, str(model_dir))
+    need = sum(4 * fields["num_latents"] * (fields["d_in"] + 2 + len(fields["sources"]) * fields["d_out"])
+               for fields in config["sparse_layers"].values())  # float32 bound
+    with quiet_library_progress():
+        layers = load_expertize_model(model_dir).sparse_layers()
+    source = Path(model_dir).resolve().name
+    record = {"target": target, "source": source, "base_model": name, "expertize": __version__,
+              "layers": {str(i): title for i in sorted(layers)}}
+    with staged_output(output, need_bytes=need) as staging:
+        write_circuit_tracer_clt(layers, staging, model_name=name, scan=f"{Path(name).name}/{source}")
+        write_attribution_kit(Path(model_dir), staging)
         (staging / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return Path(output)

@@ -1,11 +1,13 @@
 """What a sparse-coder format can express, decided once for every target (sparsify, circuit-tracer).
 
-Both tools hold one shape, the TopK sparse coder (`expertize.modeling.sparse_base.TopKCoder`):
+Both tools hold sparse coders (`expertize.modeling.sparse_base.Coder`), each with the activations it computes
+(`TARGET_ACTIVATIONS`: sparsify TopK, circuit-tracer JumpReLU / ReLU, and TopK from its repository):
 
-    y = W_decᵀ TopK_k(ReLU(W_enc x + b_enc)) + b_dec  (+ W_skip x)
+    y = W_decᵀ act(W_enc x + b_enc) + b_dec  (+ W_skip x)
 
-A layer is written for them only when it is exactly that: the layer says so itself (`SparseLayer.topk_coder`, None
-for kinds whose decoder is token-dependent or non-linear, with the spec's `not_topk_coder` as the reason), and its
+A layer is written for them only when it is exactly that: the layer says so itself (`SparseLayer.sparse_coder`, None
+for kinds whose decoder is token-dependent or non-linear, with the spec's `not_sparse_coder` as the reason), its
+activation is one the target computes, and its
 selection bias, if it has one, cannot change which K units are chosen (a constant `b_select` shifts every positive
 score alike; any other value chooses other units than the tools would). Nothing here names a kind.
 
@@ -19,7 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
-from expertize.modeling import LAYER_KINDS, SparseLayer, SparseSpec, TopKCoder
+from expertize.modeling import LAYER_KINDS, Coder, SparseLayer, SparseSpec
 from expertize.modeling.sparse_layers import build_sparse_layer, spec_from_dict
 
 from ..errors import ExpertizeError
@@ -40,7 +42,7 @@ class CoderLayer:
     """Decoder layer index."""
     hookpoint: str
     """The MLP's module path below the base model, e.g. "layers.3.mlp"."""
-    coder: TopKCoder
+    coder: Coder
 
 
 def hookpoint(model_type: str, index: int) -> str:
@@ -51,27 +53,46 @@ def hookpoint(model_type: str, index: int) -> str:
 
 
 def exportable_kinds() -> list[str]:
-    """The registered kinds whose layers can be TopK sparse coders (their class implements `topk_coder`)."""
-    return sorted(kind for kind, (_, layer) in LAYER_KINDS.items() if layer.topk_coder is not SparseLayer.topk_coder)
+    """The registered kinds whose layers can be sparse coders (their class implements `sparse_coder`)."""
+    return sorted(kind for kind, (_, layer) in LAYER_KINDS.items() if layer.sparse_coder is not SparseLayer.sparse_coder)
+
+
+TARGET_ACTIVATIONS = {"sparsify": ("topk",), "circuit-tracer": ("jumprelu", "relu", "topk")}
+"""The coder activations (`Coder.activation`) each target's loader computes: sparsify 1.3.3 encodes TopK only;
+circuit-tracer 0.5.0 JumpReLU and ReLU (TopK only from its repository: export/circuit_tracer.py)."""
+
+
+def _refuse_activation(index: int, spec: SparseSpec, coder: Coder, target: str) -> ExportError | None:
+    if coder.activation in TARGET_ACTIVATIONS[target]:
+        return None
+    return ExportError(
+        f"layer {index} ({spec.title}) is a {coder.activation} coder and {target} computes "
+        f"{' / '.join(TARGET_ACTIVATIONS[target])} only, so it would read it as another layer; export it --to "
+        + ("circuit-tracer or delphi" if target == "sparsify" else "delphi")
+    )
 
 
 def _refuse_kind(index: int, spec: SparseSpec, target: str) -> ExportError:
     return ExportError(
-        f"layer {index} ({spec.title}) cannot be written for {target}: {spec.not_topk_coder}; {target} holds TopK "
+        f"layer {index} ({spec.title}) cannot be written for {target}: {spec.not_sparse_coder}; {target} holds "
         f"sparse coders only (kinds: {', '.join(exportable_kinds())})"
     )
 
 
-def planned_coders(sparse_layers: Mapping[str, dict], target: str) -> dict[int, TopKCoder]:
-    """The layers of a config's `sparse_layers` as TopK coders of meta tensors (shapes and k, no weights read):
-    what can be refused before the model loads. Raises `ExportError` for a layer that is no TopK coder."""
+def planned_coders(sparse_layers: Mapping[str, dict], target: str) -> dict[int, Coder]:
+    """The layers of a config's `sparse_layers` as coders of meta tensors (shapes, activation and k, no weights read):
+    what can be refused before the model loads. Raises `ExportError` for a layer that is no coder, or one whose
+    activation `target` does not compute."""
     coders = {}
     for key, fields in sorted(sparse_layers.items(), key=lambda kv: int(kv[0])):
         spec = spec_from_dict(fields)
         with torch.device("meta"):
-            coder = build_sparse_layer(spec).topk_coder()
+            coder = build_sparse_layer(spec).sparse_coder()
         if coder is None:
             raise _refuse_kind(int(key), spec, target)
+        refusal = _refuse_activation(int(key), spec, coder, target)
+        if refusal is not None:
+            raise refusal
         coders[int(key)] = coder
     return coders
 
@@ -81,9 +102,12 @@ def coder_layers(model, target: str) -> list[CoderLayer]:
     (`ExportError`, one line) a layer the target cannot hold exactly."""
     found = []
     for index, layer in sorted(model.sparse_layers().items()):
-        coder = layer.topk_coder()
+        coder = layer.sparse_coder()
         if coder is None:
             raise _refuse_kind(index, layer.spec, target)
+        refusal = _refuse_activation(index, layer.spec, coder, target)
+        if refusal is not None:
+            raise refusal
         if coder.b_select is not None and bool(coder.b_select.max() > coder.b_select.min()):
             spread = float(coder.b_select.max() - coder.b_select.min())
             raise ExportError(

@@ -9,7 +9,8 @@ block: the dense MLP's projections become optional, and an optional `code` compo
 
     blocks.{i}.mlp.hook_in / hook_out     the MLP's (sparse layer's) input and output, as for any model
     blocks.{i}.mlp.code.hook_out          the sparse code's weights, (batch, pos, K): read or replace them
-    blocks.{i}.mlp.code.hook_index        their unit ids, (batch, pos, K)
+    blocks.{i}.mlp.code.hook_index        their unit ids, (batch, pos, K): selected, not all fired; a slot fired
+                                          where its weight (hook_out) is nonzero (`SparseCode.fired`)
 
 How to build one (the adapter is found by architecture name, `config.architectures[0]`):
 

@@ -269,9 +269,12 @@ def specialize(
     first_steering = len(masking_plan.conditions())
     runner = SuffixRunner(model, layer)
     held_codes = CodePooler(sparse, m_held)  # pooled in each eval batch's full forward
+    # The replay of blocks L… alone cannot serve a layer that reads earlier layers' codes of the same pass (a CLT's):
+    # every condition is then a full forward.
+    full_forward = settings.full_forward or any(m.reads_other_layers for m in model.sparse_layers().values())
     ce: list[DomainCE] = [
         condition_ce(runner, sparse, held[n], documents[n], conditions, settings.batch_size,
-                     full_forward=settings.full_forward, stack=settings.stack_conditions,
+                     full_forward=full_forward, stack=settings.stack_conditions,
                      during_base=lambda lo, batch: held_codes.recording(), check=d == 0)
         for d, n in enumerate(names)
     ]

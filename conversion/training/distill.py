@@ -43,7 +43,8 @@ class SparseStack(nn.Module):
         self.layers = nn.ModuleDict({str(i): layer for i, layer in sorted(layers.items())})
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {name: self.layers[name](x) for name, x in inputs.items()}
+        # In layer order: a cross-layer transcoder's layers read the codes their earlier layers posted this pass.
+        return {name: layer(inputs[name]) for name, layer in self.layers.items() if name in inputs}
 
 
 @dataclass
@@ -136,7 +137,9 @@ class Trainer(Engine):
         """Resampling layers: the step's (x, y, ŷ), detached; the error y - ŷ is formed only on a resampling step."""
         self.mean_outputs: dict[int, torch.Tensor] = {}
         # train.code_share_floor (a layer without a dense path carries everything already: its term stays 0)
-        self.floored_layers = set(layers) if plan.code_share_floor else set()
+        # a layer that reads other layers' codes has no dense path to floor (its share is 1 by construction)
+        self.floored_layers = {i for i, layer in layers.items() if not layer.reads_other_layers} \
+            if plan.code_share_floor else set()
         self._batch_share: dict[int, float] = {}
         """Floored layers: the last batch's code share (logged as `code_share`)."""
         self._codes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -212,6 +215,15 @@ class Trainer(Engine):
 
     def first_batch(self, batch) -> None:
         self._init_output_bias(batch)
+        self._init_from_inputs(batch)
+
+    @torch.no_grad()
+    def _init_from_inputs(self, batch) -> None:
+        """Kinds that start from the data (`SparseLayer.init_from_inputs`, e.g. JumpReLU thresholds) set their
+        parameters from the first batch's inputs; averaged over ranks, so every rank starts alike."""
+        for i, (x, _) in batch.items():
+            for param in self.layers[i].init_from_inputs(x):
+                param.copy_(self.accelerator.reduce(param.detach().clone(), reduction="mean"))
 
     @torch.no_grad()
     def _init_output_bias(self, batch) -> None:

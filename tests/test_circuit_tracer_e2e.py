@@ -1,0 +1,98 @@
+"""From a shipped model to an attribution graph with the registry's circuit-tracer, end to end: train a cross-layer
+transcoder and a JumpReLU transcoder set on stories260k (every layer, through `expertize upcycle`), export each with
+`expertize export --to circuit-tracer`, then run the export's own attribute.py in a second virtual environment that
+holds circuit-tracer 0.5.0 and its transformers pin and not expertize (EXPERTIZE_CIRCUIT_TRACER_PYTHON, made by
+scripts/circuit_tracer_env.sh; .ci/run makes it). There circuit-tracer's own loaders read the folder, its
+ReplacementModel is built offline from the local base, `attribute` runs on a prompt and the graph files are written;
+the loaded transcoders' outputs on the layers' inputs must equal the expertize model's to 1e-5 (float32).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from expertize.conversion.cli import main as cli_main
+from expertize.conversion.recipe import recipe_from_dict
+from expertize.conversion.surgery.splice import load_expertize_model
+from expertize.conversion.upcycle import upcycle
+from tests.conftest import shared_data_dir
+
+pytestmark = pytest.mark.slow  # two short trainings, two exports and a second interpreter (~1 min)
+
+PROMPT = "Once upon a time, there was a little girl named Lily. She loved to"
+
+
+def circuit_tracer_python() -> str:
+    value = os.environ.get("EXPERTIZE_CIRCUIT_TRACER_PYTHON")
+    if not value or not Path(value).is_file():
+        raise RuntimeError(
+            "EXPERTIZE_CIRCUIT_TRACER_PYTHON must name the python of a venv with circuit-tracer 0.5.0 (got "
+            f"{value!r}): make one with `scripts/circuit_tracer_env.sh DIR` and export "
+            "EXPERTIZE_CIRCUIT_TRACER_PYTHON=DIR/bin/python (.ci/run does both)")
+    return value
+
+
+def train(tmp_path: Path, kind: str) -> Path:
+    data = shared_data_dir()
+    recipe = yaml.safe_load((Path(__file__).parents[1] / "recipes" / "stories260k-mxd.yaml").read_text())
+    recipe["base_model"] = str(data / "models" / "stories260k")
+    recipe["data"]["paths"] = [str(data / "corpora" / "stories260k_samples.txt")]
+    recipe["layers"] = "all"
+    recipe["layer"] = {"kind": kind, "k": 8, "num_latents": 512}
+    recipe["data"].update(train_tokens=16_384, eval_tokens=2_048)
+    recipe["train"].update(warmup_steps="auto", checkpoint_every=1_000, log_every=8)
+    recipe["eval"].update(generation_prompts=2, continuation_tokens=4, histogram=False)
+    recipe["output_dir"] = str(tmp_path / kind)
+    return upcycle(recipe_from_dict(recipe), progress=False)
+
+
+def reference(folder: Path, path: Path) -> None:
+    """x_{i} / y_{i}: every sparse layer's input and output in the expertize model's forward over real text."""
+    model = load_expertize_model(folder).eval()
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(folder)(PROMPT + " play outside with her friends.", return_tensors="pt").input_ids
+    seen = {}
+    for i, layer in model.sparse_layers().items():
+        # clone: the block adds to its hidden states in place after the MLP has read them
+        layer.register_forward_hook(lambda m, args, out, i=i: seen.__setitem__(
+            i, (args[0].detach().reshape(-1, args[0].shape[-1]).clone(), out.detach().reshape(-1, out.shape[-1]).clone())))
+    with torch.no_grad():
+        model(ids)
+    save_file({**{f"x_{i}": x for i, (x, _) in seen.items()}, **{f"y_{i}": y for i, (_, y) in seen.items()}}, str(path))
+
+
+@pytest.mark.parametrize("kind, layout", [("clt", "cross_layer_transcoder"), ("jumprelu_transcoder", "transcoder_set")])
+def test_the_registry_circuit_tracer_draws_a_graph_from_an_export(kind, layout, tmp_path, capsys):
+    python = circuit_tracer_python()
+    folder = train(tmp_path, kind)
+    assert cli_main(["export", str(folder), "--to", "circuit-tracer", str(tmp_path / "ct")]) == 0
+    config = yaml.safe_load((tmp_path / "ct" / "config.yaml").read_text())
+    assert config["model_kind"] == layout and "activation" not in config
+    reference(folder, tmp_path / "reference.safetensors")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    run = subprocess.run(
+        [python, str(tmp_path / "ct" / "attribute.py"), "--prompt", PROMPT, "--out", str(tmp_path / "graph"),
+         "--check", str(tmp_path / "reference.safetensors")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    print(run.stdout[-3000:], run.stderr[-3000:], file=sys.stderr)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    check = next(line for line in run.stdout.splitlines() if line.startswith("[check]"))
+    assert float(check.split("max=")[1].split()[0]) <= 1e-5, check
+    # expertize is not importable there: the graph came from circuit-tracer's own code
+    probe = subprocess.run([python, "-c", "import expertize"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert probe.returncode != 0 and "No module named 'expertize'" in probe.stderr
+    graph = json.loads((tmp_path / "graph" / "graph.json").read_text())
+    assert graph["nodes"] and graph["links"]
+    features = [n for n in graph["nodes"] if n.get("feature_type") in ("cross layer transcoder", "transcoder",
+                                                                       "cross-layer transcoder")]
+    assert features, {n.get("feature_type") for n in graph["nodes"]}
+    assert (tmp_path / "graph" / "graph.pt").is_file() and (tmp_path / "graph" / "graph-metadata.json").is_file()
