@@ -15,7 +15,9 @@ def test_every_script_the_docs_run_is_in_the_repository():
     named = {(page.relative_to(REPO), script) for page in pages
              for script in re.findall(r"python3? ((?:\.\./)?[\w./-]+\.py)", page.read_text(encoding="utf-8"))}
     assert named, "no `python SCRIPT.py` found in the docs"
-    missing = [f"{page}: {script}" for page, script in sorted(named) if not (REPO / script).is_file()]
+    # exports/<name>/attribute.py is what `expertize export --to circuit-tracer` writes, not a repository file
+    missing = [f"{page}: {script}" for page, script in sorted(named)
+               if not (REPO / script).is_file() and not (script.startswith("exports/") and script.endswith("/attribute.py"))]
     assert not missing, "the docs run scripts a cloned repository does not have:\n  " + "\n  ".join(missing)
 
 
