@@ -13,7 +13,7 @@ mean over layers of FVU, L0 (a JumpReLU's varies by token: the held-out mean), d
 
 Run:
     export EXPERTIZE_DATA=/path/to/shared/data
-    python benchmarks/circuit_kinds.py --runs-dir RUNS --out docs/results/circuit_kinds.md     (~25 min, 2 cores)
+    python benchmarks/circuit_kinds.py --runs-dir RUNS --out table.md                         (~10 min, 2 cores)
     python benchmarks/circuit_kinds.py --models stories260k --seeds 0 --tokens 16384           (~1 min)
 """
 

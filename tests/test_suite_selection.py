@@ -10,6 +10,7 @@ import pytest
 from transformers.pytorch_utils import Conv1D
 
 import tests.test_transformers_common as common
+from expertize.modeling import LAYER_KINDS
 from tests.conftest import OPT_IN, named_on_the_command_line, opted_out, tiny_base_model
 from tests.families import FAMILY_NAMES, ROWS
 from tests.kinds import KINDS
@@ -44,13 +45,17 @@ def test_the_matrix_is_every_family_by_every_kind_and_native():
 
 
 def test_the_default_run_covers_every_family_with_mxd_and_every_kind_on_a_glu_and_a_conv1d_family():
+    """Every kind but the cross-layer ones, whose lone layers run the JumpReLU path (tests/test_transformers_common.py
+    `DEFAULT`; a placed CLT is tests/test_clt.py's)."""
     default = _default(_classes())
     assert {(family, "mxd") for family in FAMILY_NAMES} <= default
-    every_kind = [family for family in FAMILY_NAMES if {(family, kind) for kind in KINDS} <= default]
+    kinds = [kind for kind in KINDS if not LAYER_KINDS[kind][0].cross_layer]
+    assert len(kinds) == len(KINDS) - 1
+    every_kind = [family for family in FAMILY_NAMES if {(family, kind) for kind in kinds} <= default]
     assert any(ROWS[family].glu for family in every_kind), every_kind
     assert any(_mlp_is_conv1d(family) for family in every_kind), every_kind
     assert len(every_kind) == 2, "the default run covers every kind on two families (one per MLP form), no more"
-    assert default == {(f, "mxd") for f in FAMILY_NAMES} | {(f, kind) for f in every_kind for kind in KINDS}
+    assert default == {(f, "mxd") for f in FAMILY_NAMES} | {(f, kind) for f in every_kind for kind in kinds}
 
 
 def test_the_rest_of_the_matrix_and_the_native_controls_are_opt_in():
