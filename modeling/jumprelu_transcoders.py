@@ -20,7 +20,8 @@ factor 10, log θ moves ~10x the learning rate and the L0 holds its target (16.2
 How many latents fire varies from token to token (no TopK caps it). The code of a call lists, for every token, as
 many slots as the busiest token of the call needs, the largest values first; a token with fewer firing latents fills
 its remaining slots with weight 0, which no reader counts (`active_entries`: nonzero). So the code's width varies
-between calls; its active entries are exactly the firing latents.
+between calls; its active entries are exactly the firing latents. Under torch.compile / torch.export (no
+data-dependent shapes) the code has a slot per latent instead: the same firing entries, the same output.
 
 Sparsity: `k` is the target L0. While training, the layer's `aux_loss` is sparsity_coef · (L0 / k − 1)², with L0 the
 mean count of firing latents per token, differentiated for θ by the straight-through estimator (sparse_kernels.py
@@ -215,8 +216,11 @@ class JumpReluTranscoderLayer(SparseLayer):
         if self.wants_router_outputs:  # training (or asked by the model): the sparsity loss of this forward
             l0 = JumpStep.apply(pre, threshold, self.spec.bandwidth * threshold).sum(-1).mean()
             self.aux_loss = self.spec.sparsity_coef * (l0 / self.spec.k - 1).square()
-        width = max(1, int(fired.sum(-1).max())) if pre.shape[0] else 1
-        values, index = acts.topk(min(width, acts.shape[-1]), dim=-1)  # (T, W) each, largest first
+        if torch.compiler.is_compiling() or not pre.shape[0]:
+            width = acts.shape[-1]  # a traced graph has no data-dependent shape: a slot per latent (the idle at 0)
+        else:
+            width = max(1, int(fired.sum(-1).max()))
+        values, index = acts.topk(width, dim=-1)  # (T, W) each, largest first
         return self._hook_code(index, values, lead)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
