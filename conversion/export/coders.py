@@ -1,4 +1,4 @@
-"""The exports that hold the layers themselves, as TopK sparse coders: sparsify and circuit-tracer."""
+"""The exports that hold the layers themselves, as sparse coders (and a whole CLT): sparsify and circuit-tracer."""
 
 import os
 from pathlib import Path
@@ -9,14 +9,15 @@ from .endpoints import EXPORT_RECORD, base_model_name, checked_source, staged_ou
 __all__ = ["CODER_TARGETS", "export_coders"]
 
 CODER_TARGETS = ("sparsify", "circuit-tracer")
-"""The targets that hold the layers themselves (as TopK sparse coders); delphi holds their activations instead."""
+"""The targets that hold the layers themselves (as sparse coders); delphi holds their activations instead."""
 
 
 def export_coders(model_dir: str | os.PathLike, target: str, output: str | os.PathLike, *,
                   base_model: str | None = None, circuit_tracer_topk: bool = False) -> Path:
     """Write every sparse layer of `model_dir` for `target` (one of `CODER_TARGETS`) into the new folder `output`.
 
-    Everything that can be refused is refused before the weights load: a layer no TopK coder (its kind's reason),
+    Everything that can be refused is refused before the weights load: a layer no coder (its kind's reason) or one
+    whose activation the target does not compute, a cross-layer transcoder for another target than circuit-tracer,
     for circuit-tracer a layer set that is not every layer at one width (and one k), TopK layers unless
     `circuit_tracer_topk` (the registry's circuit-tracer would read them as ReLU), an unnamed base model, an output
     that exists or cannot be written. A selection bias is read from the weights, then refused the same way."""
@@ -69,7 +70,6 @@ def _export_clt(model_dir, config: dict, target: str, output, name: str) -> Path
     import json
 
     from expertize import __version__
-
     from expertize.modeling import LAYER_KINDS
 
     from ..progress import quiet_library_progress
