@@ -207,6 +207,7 @@ GRID = [
 ]
 
 
+@pytest.mark.slow  # eight variants of a real training (~20 s, the default run's longest test): the opt-in run has it
 def test_a_minimal_recipe_trains_within_1_3x_of_the_best_schedule_on_the_quickstart_model(tmp_path):
     """The quickstart's model and text, a recipe naming only the model, the layer, the text and the budget (its
     tokens and their step size: no other `train:` key), against four other schedules on the same activation stream
