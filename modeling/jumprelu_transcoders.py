@@ -63,7 +63,7 @@ from torch.nn import functional as F
 from .sparse_base import Coder, SparseLayer, linear_bound, uniform_
 from .sparse_code import SparseCode
 from .sparse_kernels import JumpReLU, JumpStep, decode_rows, sparse_rows_sum
-from .sparse_spec import SparseSpec, _require_bool, _require_int, arxiv_bibtex
+from .sparse_spec import SparseSpec, _require_bool, _require_int, _require_positive, arxiv_bibtex
 
 JUMPRELU_CITATION = arxiv_bibtex(
     "rajamanoharan2024jumprelu",
@@ -76,12 +76,6 @@ JUMPRELU_CITATION = arxiv_bibtex(
 
 THRESHOLD_RATE = 10.0
 """θ = exp(THRESHOLD_RATE · threshold_exponent) (see the module's docstring for why)."""
-
-
-def _require_positive(spec: SparseSpec, name: str) -> None:
-    value = getattr(spec, name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{spec.kind}.{name} must be a positive number, got {value!r}")
 
 
 @dataclasses.dataclass
@@ -211,10 +205,11 @@ class JumpReluTranscoderLayer(SparseLayer):
         lead = x.shape[:-1]
         pre = F.linear(x.reshape(-1, x.shape[-1]), self.W_enc, self.b_enc)  # (T, L)
         threshold = self.threshold.to(pre.dtype)
-        acts = JumpReLU.apply(pre, threshold, self.spec.bandwidth * threshold)  # (T, L)
+        window = self.spec.bandwidth * threshold  # (L,): the straight-through window's width per latent
+        acts = JumpReLU.apply(pre, threshold, window)  # (T, L)
         fired = acts != 0  # (T, L); θ > 0, so a firing value is > θ > 0
         if self.wants_router_outputs:  # training (or asked by the model): the sparsity loss of this forward
-            l0 = JumpStep.apply(pre, threshold, self.spec.bandwidth * threshold).sum(-1).mean()
+            l0 = JumpStep.apply(pre, threshold, window).sum(-1).mean()
             self.aux_loss = self.spec.sparsity_coef * (l0 / self.spec.k - 1).square()
         if torch.compiler.is_compiling() or not pre.shape[0]:
             width = acts.shape[-1]  # a traced graph has no data-dependent shape: a slot per latent (the idle at 0)

@@ -5,6 +5,7 @@ Part of the Hub bundle: imports only the standard library.
 """
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -21,6 +22,12 @@ def _require_bool(spec: "SparseSpec", name: str) -> None:
     value = getattr(spec, name)
     if not isinstance(value, bool):
         raise ValueError(f"{spec.kind}.{name} must be true or false, got {value!r}")
+
+
+def _require_positive(spec: "SparseSpec", name: str) -> None:
+    value = getattr(spec, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{spec.kind}.{name} must be a positive number, got {value!r}")
 
 
 def _require_choice(spec: "SparseSpec", name: str, choices: Iterable[str]) -> None:

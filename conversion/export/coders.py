@@ -23,10 +23,7 @@ def export_coders(model_dir: str | os.PathLike, target: str, output: str | os.Pa
     that exists or cannot be written. A selection bias is read from the weights, then refused the same way."""
     import json
 
-    from expertize import __version__
-
     from ..progress import quiet_library_progress
-    from ..surgery.families import family_info
     from ..surgery.splice import load_expertize_model
     from .circuit_tracer import check_transcoder_set, is_clt, write_attribution_kit, write_circuit_tracer
     from .sparsify import write_sparsify
@@ -39,20 +36,13 @@ def export_coders(model_dir: str | os.PathLike, target: str, output: str | os.Pa
         return _export_clt(model_dir, config, target, output, name)
     planned = planned_coders(config["sparse_layers"], target)
     if target == "circuit-tracer":
-        num_layers = family_info(config["model_type"]).config_class.from_pretrained(model_dir).num_hidden_layers
         check_transcoder_set({i: c.W_enc.shape[0] for i, c in planned.items()}, {i: c.k for i, c in planned.items()},
-                             {i: c.activation for i, c in planned.items()}, num_layers, str(model_dir),
-                             allow_topk=circuit_tracer_topk)
+                             {i: c.activation for i, c in planned.items()}, _num_layers(config, model_dir),
+                             str(model_dir), allow_topk=circuit_tracer_topk)
     need = sum(4 * sum(t.numel() for t in c if hasattr(t, "numel")) for c in planned.values())  # float32 bound
     with quiet_library_progress():  # one line of outcome, no loading bar
         layers = coder_layers(load_expertize_model(model_dir), target)
-    record = {
-        "target": target,
-        "source": Path(model_dir).resolve().name,
-        "base_model": name,
-        "expertize": __version__,
-        "layers": {str(layer.index): layer.hookpoint for layer in layers},
-    }
+    record = _record(target, model_dir, name, {str(layer.index): layer.hookpoint for layer in layers})
     with staged_output(output, need_bytes=need) as staging:
         if target == "sparsify":
             write_sparsify(layers, staging)
@@ -69,11 +59,9 @@ def _export_clt(model_dir, config: dict, target: str, output, name: str) -> Path
     """A cross-layer transcoder's folder, as circuit-tracer's CLT (the only target that holds one)."""
     import json
 
-    from expertize import __version__
     from expertize.modeling import LAYER_KINDS
 
     from ..progress import quiet_library_progress
-    from ..surgery.families import family_info
     from ..surgery.splice import load_expertize_model
     from .circuit_tracer import check_clt, write_attribution_kit, write_circuit_tracer_clt
 
@@ -81,17 +69,30 @@ def _export_clt(model_dir, config: dict, target: str, output, name: str) -> Path
     if target != "circuit-tracer":
         raise ExportError(f"{model_dir} is a {title}, which {target} cannot hold (a layer's output reads every earlier "
                           "layer's latents); export it --to circuit-tracer or delphi")
-    num_layers = family_info(config["model_type"]).config_class.from_pretrained(model_dir).num_hidden_layers
-    check_clt(config["sparse_layers"], num_layers, str(model_dir))
+    check_clt(config["sparse_layers"], _num_layers(config, model_dir), str(model_dir))
     need = sum(4 * fields["num_latents"] * (fields["d_in"] + 2 + len(fields["sources"]) * fields["d_out"])
                for fields in config["sparse_layers"].values())  # float32 bound
     with quiet_library_progress():
         layers = load_expertize_model(model_dir).sparse_layers()
-    source = Path(model_dir).resolve().name
-    record = {"target": target, "source": source, "base_model": name, "expertize": __version__,
-              "layers": {str(i): title for i in sorted(layers)}}
+    record = _record(target, model_dir, name, {str(i): title for i in sorted(layers)})
     with staged_output(output, need_bytes=need) as staging:
-        write_circuit_tracer_clt(layers, staging, model_name=name, scan=f"{Path(name).name}/{source}")
+        write_circuit_tracer_clt(layers, staging, model_name=name, scan=f"{Path(name).name}/{record['source']}")
         write_attribution_kit(Path(model_dir), staging)
         (staging / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return Path(output)
+
+
+def _num_layers(config: dict, model_dir) -> int:
+    """The decoder layers of `model_dir`'s base (circuit-tracer's sets and CLTs cover every one)."""
+    from ..surgery.families import family_info
+
+    return family_info(config["model_type"]).config_class.from_pretrained(model_dir).num_hidden_layers
+
+
+def _record(target: str, model_dir, base_model: str, layers: dict[str, str]) -> dict:
+    """What EXPORT_RECORD holds: the target, the source folder's name, the base model, expertize's version, and
+    per layer index its hookpoint (a CLT: its kind's title)."""
+    from expertize import __version__
+
+    return {"target": target, "source": Path(model_dir).resolve().name, "base_model": base_model,
+            "expertize": __version__, "layers": layers}

@@ -62,14 +62,18 @@ TARGET_ACTIVATIONS = {"sparsify": ("topk",), "circuit-tracer": ("jumprelu", "rel
 circuit-tracer 0.5.0 JumpReLU and ReLU (TopK only from its repository: export/circuit_tracer.py)."""
 
 
-def _refuse_activation(index: int, spec: SparseSpec, coder: Coder, target: str) -> ExportError | None:
-    if coder.activation in TARGET_ACTIVATIONS[target]:
-        return None
-    return ExportError(
-        f"layer {index} ({spec.title}) is a {coder.activation} coder and {target} computes "
-        f"{' / '.join(TARGET_ACTIVATIONS[target])} only, so it would read it as another layer; export it --to "
-        + ("circuit-tracer or delphi" if target == "sparsify" else "delphi")
-    )
+def _held_coder(index: int, spec: SparseSpec, coder: Coder | None, target: str) -> Coder:
+    """`coder` (the layer's `sparse_coder()`) when `target` can hold it; else the one-line refusal: a layer that is no
+    coder (its kind's reason), or a coder whose activation `target` does not compute."""
+    if coder is None:
+        raise _refuse_kind(index, spec, target)
+    if coder.activation not in TARGET_ACTIVATIONS[target]:
+        raise ExportError(
+            f"layer {index} ({spec.title}) is a {coder.activation} coder and {target} computes "
+            f"{' / '.join(TARGET_ACTIVATIONS[target])} only, so it would read it as another layer; export it --to "
+            + ("circuit-tracer or delphi" if target == "sparsify" else "delphi")
+        )
+    return coder
 
 
 def _refuse_kind(index: int, spec: SparseSpec, target: str) -> ExportError:
@@ -87,13 +91,7 @@ def planned_coders(sparse_layers: Mapping[str, dict], target: str) -> dict[int, 
     for key, fields in sorted(sparse_layers.items(), key=lambda kv: int(kv[0])):
         spec = spec_from_dict(fields)
         with torch.device("meta"):
-            coder = build_sparse_layer(spec).sparse_coder()
-        if coder is None:
-            raise _refuse_kind(int(key), spec, target)
-        refusal = _refuse_activation(int(key), spec, coder, target)
-        if refusal is not None:
-            raise refusal
-        coders[int(key)] = coder
+            coders[int(key)] = _held_coder(int(key), spec, build_sparse_layer(spec).sparse_coder(), target)
     return coders
 
 
@@ -102,12 +100,7 @@ def coder_layers(model, target: str) -> list[CoderLayer]:
     (`ExportError`, one line) a layer the target cannot hold exactly."""
     found = []
     for index, layer in sorted(model.sparse_layers().items()):
-        coder = layer.sparse_coder()
-        if coder is None:
-            raise _refuse_kind(index, layer.spec, target)
-        refusal = _refuse_activation(index, layer.spec, coder, target)
-        if refusal is not None:
-            raise refusal
+        coder = _held_coder(index, layer.spec, layer.sparse_coder(), target)
         if coder.b_select is not None and bool(coder.b_select.max() > coder.b_select.min()):
             spread = float(coder.b_select.max() - coder.b_select.min())
             raise ExportError(
