@@ -15,8 +15,9 @@ shipped).
 Variants at K = 32 and K = 8 (VARIANTS; `--variants` picks a subset):
     transcoder       TopK transcoder (no dense path: share 1 by construction)
     skip_transcoder  TopK transcoder with a linear skip connection
-    mxd              MxD as the paper: d_hidden = the MLP's width (H = W)
-    mxd-h2, -h4, -h16  MxD with d_hidden = W/2, W/4, W/16 (more experts at the same parameters)
+    mxd              MxD as the paper: d_hidden = the MLP's width (H = W; expertize's default until issue 35)
+    mxd-h2, -h4, -h16  MxD with d_hidden = W/2 (the default now: DEFAULT_MXD), W/4, W/16 (more experts at the same
+                     parameters)
     mxd-randk        H = W with random K (paper App. C.2)
     mxd-unorm        H = W with unit-norm experts (reference code's norm_dec)
     mxd-h4-randk     H = W/4 with random K
@@ -32,7 +33,9 @@ cache under --cache-dir). Budgets (`--budgets`): BUDGETS, 4x apart.
 
 Columns: mean over seeds ± the 95 % Student-t half-width; "KL / transcoder" is the per-seed ratio to the TopK
 transcoder at the same K in the same run (paired), mean [interval]. The frontier: per (model, budget, K), the variant
-with code share ≥ SHARE_TARGET and the lowest KL.
+with code share ≥ SHARE_TARGET and the lowest KL. The default (third table, `default_choice`): per K, the MxD
+variant whose mean code share reaches SHARE_TARGET in every (model, budget) measured, with the lowest geometric mean
+over those cells of its paired KL / transcoder.
 
 Run:
     export EXPERTIZE_DATA=/path/to/shared/data
@@ -58,13 +61,17 @@ from specialization_claims import format_value, seed_interval
 
 SHARE_TARGET = 0.5
 """The code share a default must reach (issue 35: half of what the layer explains carried by the code)."""
+DEFAULT_MXD = "mxd-h2"
+"""The variant that is expertize's default MxD (d_hidden = half the MLP's width: MxdSpec.mlp_defaults)."""
+DEFAULT_K = 32
+"""The K at which the default is chosen (issue 35's; one d_hidden serves every K, the recipes' K is 32)."""
 MODELS = ("quickstart", "tiny-gpt2-shakespeare", "stories260k", "smollm2")
 BUDGETS = {
     # training tokens per model, each 4x the one before (Tiny Shakespeare's train split holds 343,808 tokens)
     "quickstart": (12_500, 50_000, 200_000),
     "tiny-gpt2-shakespeare": (20_480, 81_920, 327_680),
     "stories260k": (20_480, 81_920, 327_680),
-    "smollm2": (65_536, 262_144),
+    "smollm2": (16_384, 65_536, 262_144),
 }
 MLP_WIDTH = {"quickstart": 512, "tiny-gpt2-shakespeare": 512, "stories260k": 172, "smollm2": 1536}
 
@@ -198,8 +205,9 @@ def frontier(rows: list[dict]) -> str:
     against the transcoder (paired KL ratio), and the default (mxd)'s share."""
     groups = groups_of(rows)
     transcoder = {key[:3]: {r["seed"]: r for r in rs} for key, rs in groups.items() if key[3] == "transcoder"}
-    out = ["| model | tokens | K | default mxd: share, KL | best MxD with share ≥ 0.5 | its share | its KL | KL / "
-           "transcoder | transcoder KL | skip transcoder: share, KL |", "|" + "---|" * 10]
+    out = ["| model | tokens | K | default MxD (H = W/2): share, KL | paper's MxD (H = W): share, KL | best MxD with "
+           "share ≥ 0.5 | its share | its KL | KL / transcoder | transcoder KL | skip transcoder: share, KL |",
+           "|" + "---|" * 11]
     for model, budget, k in sorted({key[:3] for key in groups if key[2]}, key=lambda t: (MODELS.index(t[0]), t[1], -t[2])):
         def mean(variant: str, metric: str) -> float | None:
             rs = groups.get((model, budget, k, variant))
@@ -216,12 +224,47 @@ def frontier(rows: list[dict]) -> str:
             return "n/a" if kl is None else f"{format_value(share, '.2f')}, {kl:.4f}"
 
         out.append(
-            f"| {model} | {budget:,} | {k} | {pair('mxd')} | {best or 'none'} | "
+            f"| {model} | {budget:,} | {k} | {pair(DEFAULT_MXD)} | {pair('mxd')} | {best or 'none'} | "
             f"{format_value(mean(best, 'share') if best else None, '.2f')} | "
             f"{format_value(mean(best, 'kl') if best else None, '.4f')} | {_ratio_text(ratio)} | "
             f"{format_value(mean('transcoder', 'kl'), '.4f')} | {pair('skip_transcoder')} |"
         )
     return "\n".join(out)
+
+
+def default_choice(rows: list[dict]) -> tuple[str, dict[int, str | None]]:
+    """Per K, every MxD variant measured in every (model, budget) cell of that K: the lowest of its cells' mean code
+    share, and the geometric mean over the cells of its KL / transcoder (paired per seed, then averaged over seeds),
+    with the range. The choice: the lowest geometric mean among variants whose share reaches SHARE_TARGET in every
+    cell. Returns (the table, {K: chosen variant or None})."""
+    groups = groups_of(rows)
+    transcoder = {key[:3]: {r["seed"]: r for r in rs} for key, rs in groups.items() if key[3] == "transcoder"}
+    out = [f"| K | MxD variant | cells | lowest cell share | KL / transcoder, geometric mean over cells [range] | "
+           f"share ≥ {SHARE_TARGET} everywhere |", "|" + "---|" * 6]
+    chosen: dict[int, str | None] = {}
+    for k in sorted({key[2] for key in groups if key[2] and key[3] == "transcoder"}, reverse=True):
+        cells = sorted({key[:2] for key in groups if key[2] == k and key[3] == "transcoder"})
+        scored = []
+        for variant in sorted({key[3] for key in groups if key[2] == k and key[3].startswith("mxd")}, key=_order):
+            shares, ratios = [], []
+            for model, budget in cells:
+                rs = groups.get((model, budget, k, variant))
+                ratio = paired_ratio(rs, transcoder.get((model, budget, k)), "kl") if rs else None
+                values = [r["share"] for r in rs or [] if r["share"] is not None]
+                if ratio is None or not values:
+                    break  # not measured in every cell: not a candidate
+                shares.append(statistics.fmean(values))
+                ratios.append(ratio[0])
+            else:
+                geo = math.exp(statistics.fmean(math.log(q) for q in ratios))
+                scored.append((variant, min(shares), geo, min(ratios), max(ratios)))
+        eligible = [v for v in scored if v[1] >= SHARE_TARGET]
+        chosen[k] = min(eligible, key=lambda v: v[2])[0] if eligible else None
+        for variant, low_share, geo, lo, hi in scored:
+            mark = "**chosen**" if variant == chosen[k] else "yes" if low_share >= SHARE_TARGET else "no"
+            out.append(f"| {k} | {variant} | {len(cells)} | {low_share:.2f} | {geo:.2f} [{lo:.2f}, {hi:.2f}] | "
+                       f"{mark} |")
+    return "\n".join(out), chosen
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -307,7 +350,11 @@ def main() -> int:
                        f"; variants {args.variants}; K {args.ks}; seeds {args.seeds}; {len(rows)} trained variants; "
                        f"wall time {(time.perf_counter() - started) / 60:.1f} min on CPU")
         (root / "rows.json").write_text(json.dumps({"rows": rows, "budget": budget_line}), encoding="utf-8")
-    text = f"{table(rows)}\n\n{frontier(rows)}\n\nbudget: {budget_line}\n"
+    choice, chosen = default_choice(rows)
+    text = f"{table(rows)}\n\n{frontier(rows)}\n\n{choice}\n\nbudget: {budget_line}\n"
+    if chosen.get(DEFAULT_K) not in (None, DEFAULT_MXD):
+        text += (f"\nnote: at K = {DEFAULT_K} these rows choose {chosen[DEFAULT_K]}, not the default {DEFAULT_MXD} "
+                 "(MxdSpec.mlp_defaults): revisit the default\n")
     print("\n" + text)
     if args.out:
         Path(args.out).write_text(text, encoding="utf-8")

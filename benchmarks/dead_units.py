@@ -87,9 +87,8 @@ def model_tree(name: str, args, tokens: int, seed: int) -> dict:
 
         tree = recipe_to_dict(load_recipe("quickstart"))  # the shipped recipe, its ${EXPERTIZE_ASSETS} resolved
         tree["data"]["train_tokens"] = tokens
-        # its own warm-up (50 of its 195 steps), scaled with the budget
-        tree["train"].update({**train, "warmup_steps": max(1, tree["train"]["warmup_steps"] * tokens // 200_000
-                                                           * 1024 // per_step)})
+        # its own warm-up is "auto" (a tenth of the steps, as `train` sets it for every model)
+        tree["train"].update(train)
         tree["eval"].update(EVAL)
         tree["layer"].update({"match_transcoder": 32})
         return tree

@@ -35,6 +35,8 @@ beside a random live unit's.
 
 Run:  python benchmarks/specialization.py --domains DIR --model SMOLLM2_DIR [--quick | --full-cpu]
           [--lr KIND=LR,...] [--seeds 0,1,2] [--png specialization.png] [--out table.md] [--runs-dir RUNS]
+      python benchmarks/specialization.py --domains DIR --model SMOLLM2_DIR --train-only [--kinds ...] [--lr ...]
+          (the runs' readings only — ΔCE, KL, FVU, code share, L0, dead — without the specialization passes)
       python benchmarks/specialization.py --from-rows RUNS/rows.json [--out table.md] [--png plot.png]
           (re-tabulate a finished run: the tables, the claims' reading and the plot, without a model)
 
@@ -75,7 +77,7 @@ from pathlib import Path
 import torch
 from _runs import run_variants
 from all_kinds import KIND_SETTINGS
-from specialization_claims import beyond_control, claims, format_value
+from specialization_claims import beyond_control, claims, format_value, seed_interval
 
 DEFAULT_KINDS = ("mxd", "transcoder", "skip_transcoder", "moe_x", "monet_vd", "routed_neurons", "mumoe_cp")
 QUICK = dict(layer=15, domain_names="code,wiki,stories", kinds="mxd,transcoder", context_length=32,
@@ -86,7 +88,8 @@ FULL_CPU = dict(layer=15, domain_names="code,docs,literature,stories,wiki", kind
                 upcycle_eval_tokens=512, probe_top=100)
 # (summary key, its random control's key or None, column title, format) of the headline figures.
 HEADLINE = (
-    ("delta_ce", None, "ΔCE", "+.4f"), ("fvu", None, "FVU", ".4f"), ("dead_pct", None, "dead %", ".1f"),
+    ("delta_ce", None, "ΔCE", "+.4f"), ("fvu", None, "FVU", ".4f"), ("code_share", None, "code share", ".2f"),
+    ("dead_pct", None, "dead %", ".1f"),
     ("specificity", "random_specificity", "masking specificity", ".2f"),
     ("mask_delta_target", "random_mask_delta_target", "masking ΔCE target", "+.4f"),
     ("mask_delta_others", None, "masking ΔCE others", "+.4f"),
@@ -113,6 +116,12 @@ def parse_args() -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="the smoke-scale settings of the module docstring")
     mode.add_argument("--full-cpu", action="store_true", help="the CPU-budget table of the module docstring")
+    p.add_argument("--layer-option", dest="layer_options", action="append", type=parse_layer_option, default=[],
+                   metavar="KIND.KEY=VALUE", help="a `layer:` key of one kind's variant, e.g. mxd.d_hidden=1536 "
+                                                  "(repeatable; VALUE read as YAML)")
+    p.add_argument("--train-only", action="store_true",
+                   help="train every kind and read its run (ΔCE, KL, FVU, code share, L0, dead %%) without the "
+                        "specialization passes: the table's first columns in a third of the time")
     p.add_argument("--domain-names", default=None, help="comma-separated corpora of --domains (default: all)")
     p.add_argument("--kinds", default=",".join(DEFAULT_KINDS), help="comma-separated kinds")
     p.add_argument("--layer", type=int, default=None, help="decoder layer to replace (default: the middle one)")
@@ -144,7 +153,22 @@ def parse_args() -> argparse.Namespace:
         args = p.parse_args()
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     args.document_tokens = args.document_tokens or args.context_length
+    options: dict[str, dict] = {}
+    for kind, key, value in args.layer_options:
+        options.setdefault(kind, {})[key] = value
+    args.layer_options = options
     return args
+
+
+def parse_layer_option(text: str) -> tuple[str, str, object]:
+    """"KIND.KEY=VALUE" -> (KIND, KEY, VALUE parsed as YAML)."""
+    import yaml
+
+    name, sep, value = text.partition("=")
+    kind, dot, key = name.partition(".")
+    if not (sep and dot and kind and key):
+        raise argparse.ArgumentTypeError(f"--layer-option: {text!r} is not KIND.KEY=VALUE (e.g. mxd.d_hidden=1536)")
+    return kind, key, yaml.safe_load(value)
 
 
 def parse_lrs(text: str) -> dict[str, float]:
@@ -180,7 +204,8 @@ def interleave(docs: dict[str, list[str]]) -> list[dict]:
 
 def build_tree(args, base: str, kinds: list[str], corpus: Path, out_dir: Path, seed: int) -> dict:
     """One recipe, one variant per kind (output_dir/KIND), all trained on the same activation stream."""
-    layer = lambda kind: {"kind": kind, "match_transcoder": args.match_transcoder, **KIND_SETTINGS[kind]}  # noqa: E731
+    layer = lambda kind: {"kind": kind, "match_transcoder": args.match_transcoder, **KIND_SETTINGS[kind],  # noqa: E731
+                          **args.layer_options.get(kind, {})}
     return {
         "base_model": base, "dtype": "float32", "layers": [args.layer],
         "layer": layer(kinds[0]),
@@ -283,6 +308,9 @@ def run_seed(args, seed: int, names: list[str], kinds: list[str], root: Path, to
     out["timing"]["capture and train"] = time.perf_counter() - t0 if train_seconds is not None else None
     out["timing"]["capture"] = capture_seconds
     out["failures"] += [f"seed {seed}, {kind}: {message}" for kind, message in untrained.items()]
+    if args.train_only:
+        out["rows"] = [{**run_reading(trained[kind], args.layer), "kind": kind} for kind in kinds if kind in trained]
+        return out
     special = [i for i in tokenizer.all_special_ids if i is not None]
     settings = SpecializationSettings(seed=seed, probe_top=args.probe_top, steer_scale=args.steer_scale,
                                       batch_size=args.batch_size, bootstrap=args.bootstrap)
@@ -301,8 +329,7 @@ def run_seed(args, seed: int, names: list[str], kinds: list[str], root: Path, to
         spec_seconds += time.perf_counter() - t0
         metrics = trained[kind]
         summary = report.summary()
-        row = {"kind": kind, "delta_ce": metrics["ce"]["delta"], "fvu": metrics["layers"][str(args.layer)]["fvu"],
-               "dead_pct": 100 * summary["dead_fraction"], **summary}
+        row = {**run_reading(metrics, args.layer), "kind": kind, "dead_pct": 100 * summary["dead_fraction"], **summary}
         out["rows"].append(row)
         (folder / f"{kind}_specialization.json").write_text(json.dumps(report.to_json(), indent=1))
         print(f"  seed {seed}, {kind} [{time.perf_counter() - t0:.0f}s]\n" + report.format(), flush=True)
@@ -323,6 +350,33 @@ def run_seed(args, seed: int, names: list[str], kinds: list[str], root: Path, to
     return out
 
 
+def run_reading(metrics: dict, layer: int) -> dict:
+    """The upcycle run's own reading of one kind (metrics.json): ΔCE, KL, FVU, code share, L0, dead % (on its
+    held-out part of the fit documents)."""
+    m = metrics["layers"][str(layer)]
+    return {"delta_ce": metrics["ce"]["delta"], "kl": metrics["ce"]["kl_base_spliced"], "fvu": m["fvu"],
+            "code_share": m.get("code_share"), "l0": m["l0"], "dead_pct": 100 * m["dead_fraction"]}
+
+
+RUN_COLUMNS = (("delta_ce", "ΔCE", "+.4f"), ("kl", "KL", ".4f"), ("fvu", "FVU", ".4f"),
+               ("code_share", "code share", ".2f"), ("l0", "L0", ".1f"), ("dead_pct", "dead %", ".1f"))
+
+
+def run_table(results: list[dict], kinds: list[str]) -> list[str]:
+    """--train-only: each kind's run reading, mean [95 % t-interval] over the seeds."""
+    lines = ["| kind (seeds) | " + " | ".join(title for _, title, _ in RUN_COLUMNS) + " |",
+             "|---|" + "---:|" * len(RUN_COLUMNS)]
+    for kind in kinds:
+        rows = [r for res in results for r in res["rows"] if r["kind"] == kind]
+        if rows:
+            cells = []
+            for key, _, fmt in RUN_COLUMNS:
+                mean, low, high = seed_interval([r.get(key) for r in rows])
+                cells.append(f"{format_value(mean, fmt)} [{format_value(low, fmt)}, {format_value(high, fmt)}]")
+            lines.append(f"| {kind} ({len(rows)}/{len(results)}) | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _interval(estimate) -> dict:
     return {"value": estimate.value, "ci": [estimate.low, estimate.high]}
 
@@ -335,14 +389,14 @@ def seed_table(result: dict) -> list[str]:
         cells = []
         for key, control, _, fmt in HEADLINE:
             ci = r.get(f"{key}_ci")
-            cell = format_value(r[key], fmt) + (f" [{format_value(ci[0], fmt)}, {format_value(ci[1], fmt)}]" if ci else "")
+            cell = format_value(r.get(key), fmt) + (f" [{format_value(ci[0], fmt)}, {format_value(ci[1], fmt)}]" if ci else "")
             if control is not None:
                 cell += ("" if r.get(f"{key}_significant") else " n.s.") + f" ({format_value(r[control], fmt)})"
             cells.append(cell)
         lines.append(f"| {r['kind']} | " + " | ".join(cells) + " |")
     d = result["dense"]
     dense = {k: f"{format_value(v['value'], '.3f')} [{format_value(v['ci'][0], '.3f')}, {format_value(v['ci'][1], '.3f')}]" for k, v in d.items()}
-    lines.append("| dense MLP neurons | 0 | 0 | – | – | – | – | " + " | ".join(dense.values()) + _STEERING_DASHES)
+    lines.append("| dense MLP neurons | 0 | 0 | – | – | – | – | – | " + " | ".join(dense.values()) + _STEERING_DASHES)
     return lines
 
 
@@ -358,7 +412,7 @@ def summary_table(results: list[dict], kinds: list[str]) -> tuple[list[str], lis
             continue
         cells, mean_row = [], {"kind": kind}
         for key, control, _, fmt in HEADLINE:
-            cell, mean_row[key], mean_row[f"{key}_sd"] = _spread([r[key] for r in rows], fmt)
+            cell, mean_row[key], mean_row[f"{key}_sd"] = _spread([r.get(key) for r in rows], fmt)
             if control is not None:
                 above, below = beyond_control(rows, key, control)
                 control_cell, mean_row[control], _ = _spread([r[control] for r in rows], fmt)
@@ -370,7 +424,7 @@ def summary_table(results: list[dict], kinds: list[str]) -> tuple[list[str], lis
     dense = [res["dense"] for res in results]
     cells = [_spread([d[k]["value"] for d in dense], ".3f")[0] for k in ("probe_best_1d", "probe_f1_k1",
                                                                          "probe_f1_k8")]
-    lines.append(f"| dense MLP neurons ({n}/{n}) | 0 | 0 | – | – | – | – | " + " | ".join(cells) + _STEERING_DASHES)
+    lines.append(f"| dense MLP neurons ({n}/{n}) | 0 | 0 | – | – | – | – | – | " + " | ".join(cells) + _STEERING_DASHES)
     return lines, means
 
 
@@ -420,7 +474,8 @@ def main() -> int:
         args.layer = base.config.num_hidden_layers // 2
     header = (f"{Path(args.model).name}, layer {args.layer}, {args.match_transcoder:g}x transcoder budget, "
               f"{args.train_tokens:,} training tokens per kind (context {args.context_length}, {args.tokens_per_step} "
-              f"tokens per step, {lr_text(args, kinds)}, NMSE, trained from one activation cache per seed), domains "
+              f"tokens per step, {lr_text(args, kinds)}, NMSE, trained from one activation cache per seed"
+              f"{''.join(f', {k} {o}' for k, o in args.layer_options.items())}), domains "
               f"{', '.join(names)}: {args.fit_tokens:,} fit / {args.eval_tokens:,} eval tokens per domain from "
               f"disjoint documents (seeded hash, {args.eval_fraction:g} held out; at most {args.document_tokens} "
               f"tokens per document), seeds {', '.join(map(str, args.seeds))}, 95% intervals from {args.bootstrap} "
@@ -433,7 +488,7 @@ def main() -> int:
     finally:
         if not args.runs_dir:
             shutil.rmtree(root, ignore_errors=True)
-    timing = {k: sum(res["timing"][k] or 0 for res in results) for k in ("capture", "capture and train",
+    timing = {k: sum(res["timing"].get(k) or 0 for res in results) for k in ("capture", "capture and train",
                                                                          "specialization")}
     wall = (f"wall time {time.perf_counter() - start:.0f}s: capture {timing['capture']:.0f}s, capture and "
             f"training {timing['capture and train']:.0f}s, specialization {timing['specialization']:.0f}s "
@@ -465,7 +520,14 @@ def report_rows(args) -> int:
 
 
 def write_report(args, header: str, results: list[dict], kinds: list[str], wall: str | None, title: str) -> None:
-    """Print (and --out) the summary, each seed's table and the claims' reading; write the plot (--png)."""
+    """Print (and --out) the summary, each seed's table and the claims' reading; write the plot (--png). A
+    --train-only run has its runs' readings only: one table, no claims, no plot."""
+    if not any("dense" in res for res in results):
+        table = "\n".join([header, "", *run_table(results, kinds), *([wall] if wall else [])])
+        print("\n" + table)
+        if args.out:
+            Path(args.out).write_text(table + "\n", encoding="utf-8")
+        return
     summary, means = summary_table(results, kinds)
     tables = [header, "", f"Mean ± standard deviation over {len(results)} seeds; in parentheses the random "
               "control's mean and in how many seeds the figure's interval lay wholly above (below) the control's "

@@ -47,7 +47,7 @@ class MxdSpec(SparseSpec):
         arxiv_id="2505.21364",
     )
     d_hidden: int
-    """H: width of the dense hidden code z (the base MLP's width, by default)."""
+    """H: width of the dense hidden code z (by default half the base MLP's width; the paper's is the full width)."""
     num_experts: int
     """N: number of experts (rows of C)."""
     k: int = 32
@@ -85,6 +85,17 @@ class MxdSpec(SparseSpec):
     @property
     def glu(self) -> bool:
         return self.encoder == "glu"
+
+    @classmethod
+    def mlp_defaults(cls, shape, *, init: str = "default", num_units: int | None = None) -> dict:
+        """H = half the MLP's width, not the paper's full width. With H = W the dense path contains the MLP itself
+        (Cᵀa a constant vector), and the longer it trains the less its experts carry: on the benchmark models the
+        code's share fell to 0.37-0.51 at the largest budget. H = W/2 was the setting whose code carried at least
+        half of the layer on every model, budget and K measured, with the lowest KL among those
+        (docs/results/code_share.md). The paper's recipes (recipes/paper/) set H = W explicitly."""
+        fields = super().mlp_defaults(shape, init=init, num_units=num_units)
+        fields["d_hidden"] = max(1, shape.d_hidden // 2)
+        return fields
 
     @classmethod
     def matched_size(cls, fields: dict, num_latents: int, convention: str) -> int | None:

@@ -435,14 +435,26 @@ def test_bad_layer_lists(layers, expected):
 
 
 def test_resolve_gpt2_like_shape():
+    # MxD's dense hidden code defaults to half the MLP's width (3072 / 2), not the paper's full width
     spec = resolve_layer_spec(LayerConfig(kind="mxd", k=16, num_experts=1000), GPT2_SHAPE)
-    assert spec == MxdSpec(d_in=768, d_out=768, d_hidden=3072, num_experts=1000, k=16, encoder="mlp",
+    assert spec == MxdSpec(d_in=768, d_out=768, d_hidden=1536, num_experts=1000, k=16, encoder="mlp",
                            activation="gelu_new")
+    # μMoE keeps the MLP's width
+    assert resolve_layer_spec(LayerConfig(kind="mumoe_cp", num_experts=8, options={"rank": 4}), GPT2_SHAPE).d_hidden == 3072
+
+
+def test_paper_recipes_keep_the_papers_dense_width():
+    """The paper's H is the MLP's full width; the default (half) must not leak into recipes/paper/."""
+    for name, shape in (("gpt2-l8", GPT2_SHAPE), ("llama3.2-3b-l12", LLAMA_SHAPE)):
+        recipe = load_recipe(RECIPES / "paper" / f"mxd-{name}-mxd.yaml")
+        assert resolve_layer_spec(recipe.layer, shape).d_hidden == shape.d_hidden
 
 
 def test_resolve_llama_like_shape():
     spec = resolve_layer_spec(LayerConfig(kind="mxd", match_transcoder=32), LLAMA_SHAPE)
-    assert (spec.encoder, spec.activation, spec.d_hidden, spec.num_experts) == ("glu", "silu", 8192, 86015)
+    assert (spec.encoder, spec.activation, spec.d_hidden, spec.num_experts) == ("glu", "silu", 4096, 92159)
+    spec = resolve_layer_spec(LayerConfig(kind="mxd", match_transcoder=32, d_hidden=8192), LLAMA_SHAPE)
+    assert spec.num_experts == 86015  # the paper's Table 2 at the paper's H
     # Explicit fields beat the base model's.
     spec = resolve_layer_spec(
         LayerConfig(num_experts=64, d_hidden=256, encoder="mlp", activation="gelu_pytorch_tanh"), LLAMA_SHAPE
@@ -452,7 +464,7 @@ def test_resolve_llama_like_shape():
 
 def test_match_conventions_and_transcoders():
     exact = resolve_layer_spec(LayerConfig(match_transcoder=32), GPT2_SHAPE)
-    paper = resolve_layer_spec(LayerConfig(match_transcoder=32, match_convention="paper"), GPT2_SHAPE)
+    paper = resolve_layer_spec(LayerConfig(match_transcoder=32, match_convention="paper", d_hidden=3072), GPT2_SHAPE)
     assert paper.num_experts == 21490
     transcoder = resolve_layer_spec(LayerConfig(kind="transcoder", match_transcoder=32), GPT2_SHAPE)
     assert exact.num_parameters() <= transcoder.num_parameters() < exact.num_parameters() + 768 * 2 + 1

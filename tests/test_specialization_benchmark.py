@@ -50,6 +50,11 @@ def test_benchmark_trains_from_one_cache_per_seed_and_prints_intervals(tmp_path,
     assert [s["seed"] for s in rows["seeds"]] == [0, 1] and len(rows["seeds"][0]["rows"]) == 2
     row = rows["seeds"][0]["rows"][0]
     assert row["probe_best_1d_ci"][0] <= row["probe_best_1d"] <= row["probe_best_1d_ci"][1]
+    # the code share column: the run's own reading (metrics.json), beside ΔCE and FVU
+    # (None here: these tiny layers explain nothing, FVU > 1, so no share of it is defined; the table says n/a)
+    metrics = json.loads((runs / "seed0" / "runs" / row["kind"] / "metrics.json").read_text())
+    assert "fvu_mean_code" in metrics["layers"]["1"] and row["code_share"] == metrics["layers"]["1"]["code_share"]
+    assert "| code share |" in table
     assert (tmp_path / "plot.png").stat().st_size > 0
     assert specialization.main() == 0  # a rerun reuses the caches and the finished runs: the same figures
     assert sorted(p.name for p in runs.glob("cache-*")) == caches
@@ -62,15 +67,29 @@ def test_benchmark_trains_from_one_cache_per_seed_and_prints_intervals(tmp_path,
                                       "--png", str(tmp_path / "again.png"), "--out", str(tmp_path / "again.md")])
     assert specialization.main() == 0
     assert (tmp_path / "again.md").read_text() == table and (tmp_path / "again.png").stat().st_size > 0
+    # --train-only reads the same runs (reused) without the specialization passes: one table with intervals
+    monkeypatch.setattr(sys, "argv", [*argv[:argv.index("--png")], "--train-only", "--out", str(tmp_path / "t.md")])
+    assert specialization.main() == 0
+    only = (tmp_path / "t.md").read_text()
+    assert "| kind (seeds) | ΔCE | KL | FVU | code share | L0 | dead % |" in only and "| mxd (2/2) |" in only
+    assert "Each claim" not in only and "dense MLP neurons" not in only
+    kl = [json.loads((runs / f"seed{seed}" / "runs" / "mxd" / "metrics.json").read_text())["ce"]["kl_base_spliced"]
+          for seed in (0, 1)]
+    mean, low, high = specialization.seed_interval(kl)  # the mean over seeds with its 95 % t-interval
+    assert f"| mxd (2/2) | " in only and f"| {mean:.4f} [{low:.4f}, {high:.4f}] |" in only
 
 
-def test_lr_per_kind(monkeypatch):
+def test_lr_per_kind_and_layer_options(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import argparse
 
     import pytest
-    from specialization import lr_of, lr_text, parse_lrs
+    from specialization import lr_of, lr_text, parse_layer_option, parse_lrs
 
+    assert parse_layer_option("mxd.d_hidden=1536") == ("mxd", "d_hidden", 1536)
+    assert parse_layer_option("mxd.options={random_k: true}") == ("mxd", "options", {"random_k": True})
+    with pytest.raises(argparse.ArgumentTypeError, match="is not KIND.KEY=VALUE"):
+        parse_layer_option("d_hidden=1536")
     args = argparse.Namespace(lr=parse_lrs("mxd=1e-3,transcoder=3e-3"))
     assert [lr_of(args, k) for k in ("mxd", "transcoder", "moe_x")] == [1e-3, 3e-3, 1e-2]  # unnamed: 1e-2
     assert lr_text(args, ["mxd", "transcoder"]) == "lr mxd 0.001, transcoder 0.003"

@@ -76,7 +76,8 @@ class LayerConfig:
 
     d_hidden: int | None = None
     """H, the width of the dense hidden code (mxd, μMoE) or the total expert width (Monet); default: the base
-    MLP's width. Kinds without the field reject it."""
+    MLP's width (mxd: half of it, so that its experts carry the layer; docs/results/code_share.md; the MxD paper's
+    H is the full width). Kinds without the field reject it."""
 
     encoder: Literal["auto", "mlp", "glu"] = "auto"
     """Dense encoder of mxd and μMoE: "auto" (glu when the base MLP is gated, else mlp), "mlp" or "glu"."""
