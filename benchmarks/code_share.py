@@ -39,7 +39,11 @@ over those cells of its paired KL / transcoder.
 
 Run:
     export EXPERTIZE_DATA=/path/to/shared/data
-    python benchmarks/code_share.py --runs-dir RUNS --out table.md                     (tiny models, ~45 min)
+    python benchmarks/code_share.py --runs-dir RUNS --out table.md
+        (the default: the quickstart, tiny-gpt2-shakespeare and stories260k, DEFAULT_VARIANTS at K = 32 and 8, three
+        budgets, three seeds; ~45 min on 2 CPU cores, estimated from the measured runs' times)
+    SMOLLM2=DIR DOMAINS=DIR python benchmarks/code_share.py --models smollm2 --ks 32 --cache-dir CACHE \
+        --variants transcoder,skip_transcoder,mxd,mxd-h2,mxd-h4 --runs-dir RUNS           (~47 min)
     python benchmarks/code_share.py --models quickstart --budgets 0 --seeds 0 --variants mxd,transcoder  (~1 min)
     python benchmarks/code_share.py --from-rows RUNS/rows.json --out table.md --plot docs/results/code_share.png
 """
@@ -92,6 +96,8 @@ VARIANTS = {
     "mxd-h2-floor.5": ("mxd", {}, 2, {"code_share_floor": 0.5}),
     "skip_transcoder-floor.5": ("skip_transcoder", {}, None, {"code_share_floor": 0.5}),
 }
+DEFAULT_VARIANTS = ("transcoder", "skip_transcoder", "mxd", "mxd-h2", "mxd-h4", "mxd-h16", "mxd-randk", "mxd-unorm")
+"""The default run (under an hour on 2 cores); the floor variants and mxd-h4-randk are opt-in (--variants)."""
 OTHER_KINDS = {
     # the all-kinds benchmark's settings (benchmarks/all_kinds.py KIND_SETTINGS)
     "moe_x": {"k": 2, "options": {"d_expert": 64}},
@@ -236,7 +242,8 @@ def default_choice(rows: list[dict]) -> tuple[str, dict[int, str | None]]:
     """Per K, every MxD variant measured in every (model, budget) cell of that K: the lowest of its cells' mean code
     share, and the geometric mean over the cells of its KL / transcoder (paired per seed, then averaged over seeds),
     with the range. The choice: the lowest geometric mean among variants whose share reaches SHARE_TARGET in every
-    cell. Returns (the table, {K: chosen variant or None})."""
+    cell; a variant not run in every cell, or with no share defined in one (FVU ≥ 1), is listed but not a candidate.
+    Returns (the table, {K: chosen variant or None})."""
     groups = groups_of(rows)
     transcoder = {key[:3]: {r["seed"]: r for r in rs} for key, rs in groups.items() if key[3] == "transcoder"}
     out = [f"| K | MxD variant | cells | lowest cell share | KL / transcoder, geometric mean over cells [range] | "
@@ -244,17 +251,20 @@ def default_choice(rows: list[dict]) -> tuple[str, dict[int, str | None]]:
     chosen: dict[int, str | None] = {}
     for k in sorted({key[2] for key in groups if key[2] and key[3] == "transcoder"}, reverse=True):
         cells = sorted({key[:2] for key in groups if key[2] == k and key[3] == "transcoder"})
-        scored = []
+        scored, unscored = [], []
         for variant in sorted({key[3] for key in groups if key[2] == k and key[3].startswith("mxd")}, key=_order):
-            shares, ratios = [], []
+            shares, ratios, missing = [], [], 0
             for model, budget in cells:
                 rs = groups.get((model, budget, k, variant))
                 ratio = paired_ratio(rs, transcoder.get((model, budget, k)), "kl") if rs else None
                 values = [r["share"] for r in rs or [] if r["share"] is not None]
                 if ratio is None or not values:
-                    break  # not measured in every cell: not a candidate
+                    missing += 1  # not run there, or no share defined (FVU ≥ 1: it explains nothing)
+                    continue
                 shares.append(statistics.fmean(values))
                 ratios.append(ratio[0])
+            if missing:
+                unscored.append((variant, len(cells) - missing))
             else:
                 geo = math.exp(statistics.fmean(math.log(q) for q in ratios))
                 scored.append((variant, min(shares), geo, min(ratios), max(ratios)))
@@ -264,6 +274,9 @@ def default_choice(rows: list[dict]) -> tuple[str, dict[int, str | None]]:
             mark = "**chosen**" if variant == chosen[k] else "yes" if low_share >= SHARE_TARGET else "no"
             out.append(f"| {k} | {variant} | {len(cells)} | {low_share:.2f} | {geo:.2f} [{lo:.2f}, {hi:.2f}] | "
                        f"{mark} |")
+        for variant, measured in unscored:
+            out.append(f"| {k} | {variant} | {measured} of {len(cells)} | – | – | not a candidate: no reading in "
+                       f"{len(cells) - measured} cell(s) |")
     return "\n".join(out), chosen
 
 
@@ -306,7 +319,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--data", default=os.environ.get("EXPERTIZE_DATA"))
     p.add_argument("--models", default="quickstart,tiny-gpt2-shakespeare,stories260k")
     p.add_argument("--budgets", default="0,1,2", help="indices into BUDGETS (0 = smallest)")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma-separated, of {', '.join(VARIANTS)} (default: {', '.join(DEFAULT_VARIANTS)})")
     p.add_argument("--ks", default="32,8")
     p.add_argument("--other-kinds", action="store_true", help="also the other kinds at K = 32, largest budget")
     p.add_argument("--seeds", default="0,1,2")

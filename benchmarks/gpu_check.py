@@ -164,7 +164,9 @@ def recipe_for(setting: str, base: Path, text: Path, tokens: int, out: Path, dev
     ]
     if smoke:
         per_step = SMOKE["steps_per"][setting == "bf16"]
-        overrides += [f"layers=[{SMOKE['layer']}]", f"train.tokens_per_step={per_step}", "eval.batch_sequences=8"]
+        # the recipe's d_hidden is GPT-2's MLP width (the paper's H = W): the toy model's is 4 x d_model
+        overrides += [f"layers=[{SMOKE['layer']}]", f"train.tokens_per_step={per_step}", "eval.batch_sequences=8",
+                      f"layer.d_hidden={4 * SMOKE['d_model']}"]
     return load_recipe(str(PAPER_RECIPE), overrides)
 
 

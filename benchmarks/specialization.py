@@ -491,8 +491,9 @@ def main() -> int:
     timing = {k: sum(res["timing"].get(k) or 0 for res in results) for k in ("capture", "capture and train",
                                                                          "specialization")}
     wall = (f"wall time {time.perf_counter() - start:.0f}s: capture {timing['capture']:.0f}s, capture and "
-            f"training {timing['capture and train']:.0f}s, specialization {timing['specialization']:.0f}s "
-            f"({len(kinds)} kinds x {len(results)} seeds)")
+            f"training {timing['capture and train']:.0f}s"
+            + ("" if args.train_only else f", specialization {timing['specialization']:.0f}s")
+            + f" ({len(kinds)} kinds x {len(results)} seeds)")
     if args.runs_dir:  # the rows, to re-plot or re-tabulate without rerunning (--from-rows)
         rows = {"header": header, "kinds": kinds, "layer": args.layer, "model": Path(args.model).name,
                 "train_tokens": args.train_tokens, "wall": wall, "seeds": results}

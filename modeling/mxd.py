@@ -89,10 +89,10 @@ class MxdSpec(SparseSpec):
     @classmethod
     def mlp_defaults(cls, shape, *, init: str = "default", num_units: int | None = None) -> dict:
         """H = half the MLP's width, not the paper's full width. With H = W the dense path contains the MLP itself
-        (Cᵀa a constant vector), and the longer it trains the less its experts carry: on the benchmark models the
-        code's share fell to 0.37-0.51 at the largest budget. H = W/2 was the setting whose code carried at least
-        half of the layer on every model, budget and K measured, with the lowest KL among those
-        (docs/results/code_share.md). The paper's recipes (recipes/paper/) set H = W explicitly."""
+        (Cᵀa a constant vector), and the longer it trains the less its experts carry: on the two tiny benchmark
+        models the code's share at K = 32 fell to 0.44-0.51 at the largest budget. H = W/2 was the setting whose code
+        carried at least half of the layer on every model and budget measured at K = 32 (0.65-1.00), with the lowest
+        KL among those (docs/results/code_share.md). The paper's recipes (recipes/paper/) set H = W explicitly."""
         fields = super().mlp_defaults(shape, init=init, num_units=num_units)
         fields["d_hidden"] = max(1, shape.d_hidden // 2)
         return fields

@@ -198,4 +198,5 @@ def test_moe_x_experts_mirror_the_dense_mlp():
     assert moe_x.mlp_defaults(gated, init="copy", num_units=8)["d_expert"] == 64
     assert moe_x.mlp_defaults(gated, init="default")["d_expert"] == 8  # M: the spec's default 8 when not given
     assert moe_x.mlp_defaults(gated)["activation"] == "relu"  # MoE-X's own activation when not upcycled
-    assert MxdSpec.mlp_defaults(gated) == {"d_hidden": 64, "encoder": "glu", "activation": "silu"}
+    # MxD's dense hidden code: half the MLP's width (docs/results/code_share.md), not the paper's full width
+    assert MxdSpec.mlp_defaults(gated) == {"d_hidden": 32, "encoder": "glu", "activation": "silu"}
