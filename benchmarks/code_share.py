@@ -41,7 +41,7 @@ Run:
     export EXPERTIZE_DATA=/path/to/shared/data
     python benchmarks/code_share.py --runs-dir RUNS --out table.md
         (the default: the quickstart, tiny-gpt2-shakespeare and stories260k, DEFAULT_VARIANTS at K = 32 and 8, three
-        budgets, three seeds; ~45 min on 2 CPU cores, estimated from the measured runs' times)
+        budgets, three seeds; 35-45 min on 2 CPU cores, estimated from the measured runs' times)
     SMOLLM2=DIR DOMAINS=DIR python benchmarks/code_share.py --models smollm2 --ks 32 --cache-dir CACHE \
         --variants transcoder,skip_transcoder,mxd,mxd-h2,mxd-h4 --runs-dir RUNS           (~47 min)
     python benchmarks/code_share.py --models quickstart --budgets 0 --seeds 0 --variants mxd,transcoder  (~1 min)
