@@ -173,6 +173,11 @@ def groups_of(rows: list[dict]) -> dict[tuple, list[dict]]:
     return groups
 
 
+def transcoder_runs(groups: dict[tuple, list[dict]]) -> dict[tuple, dict[int, dict]]:
+    """(model, budget, K) -> {seed: the TopK transcoder's row}: what every other variant's KL is paired with."""
+    return {key[:3]: {r["seed"]: r for r in rs} for key, rs in groups.items() if key[3] == "transcoder"}
+
+
 def paired_ratio(rs: list[dict], base: dict[int, dict] | None, metric: str) -> tuple | None:
     if not base:
         return None
@@ -189,7 +194,7 @@ def _ratio_text(ratio: tuple | None) -> str:
 
 def table(rows: list[dict]) -> str:
     groups = groups_of(rows)
-    transcoder = {key[:3]: {r["seed"]: r for r in rs} for key, rs in groups.items() if key[3] == "transcoder"}
+    transcoder = transcoder_runs(groups)
     lines = ["| model | tokens | K | variant | units | seeds | dead % | L0 | FVU | FVU, average code | code share | KL "
              "| KL / transcoder | ΔCE |", "|" + "---|" * 14]
     for key in sorted(groups, key=lambda k: (MODELS.index(k[0]), k[1], -k[2], _order(k[3]))):
@@ -208,9 +213,10 @@ def table(rows: list[dict]) -> str:
 
 def frontier(rows: list[dict]) -> str:
     """Per (model, budget, K): the MxD variant of lowest mean KL among those whose mean code share ≥ SHARE_TARGET,
-    against the transcoder (paired KL ratio), and the default (mxd)'s share."""
+    against the transcoder (paired KL ratio), beside the default MxD's, the paper's MxD's and the skip transcoder's
+    share and KL."""
     groups = groups_of(rows)
-    transcoder = {key[:3]: {r["seed"]: r for r in rs} for key, rs in groups.items() if key[3] == "transcoder"}
+    transcoder = transcoder_runs(groups)
     out = ["| model | tokens | K | default MxD (H = W/2): share, KL | paper's MxD (H = W): share, KL | best MxD with "
            "share ≥ 0.5 | its share | its KL | KL / transcoder | transcoder KL | skip transcoder: share, KL |",
            "|" + "---|" * 11]
@@ -245,7 +251,7 @@ def default_choice(rows: list[dict]) -> tuple[str, dict[int, str | None]]:
     cell; a variant not run in every cell, or with no share defined in one (FVU ≥ 1), is listed but not a candidate.
     Returns (the table, {K: chosen variant or None})."""
     groups = groups_of(rows)
-    transcoder = {key[:3]: {r["seed"]: r for r in rs} for key, rs in groups.items() if key[3] == "transcoder"}
+    transcoder = transcoder_runs(groups)
     out = [f"| K | MxD variant | cells | lowest cell share | KL / transcoder, geometric mean over cells [range] | "
            f"share ≥ {SHARE_TARGET} everywhere |", "|" + "---|" * 6]
     chosen: dict[int, str | None] = {}
@@ -278,6 +284,26 @@ def default_choice(rows: list[dict]) -> tuple[str, dict[int, str | None]]:
             out.append(f"| {k} | {variant} | {measured} of {len(cells)} | – | – | not a candidate: no reading in "
                        f"{len(cells) - measured} cell(s) |")
     return "\n".join(out), chosen
+
+
+def comparison(rows: list[dict]) -> str:
+    """Per (model, K, budget): the default MxD, the paper's MxD (H = W) and the skip transcoder, each its code share
+    and its KL / transcoder (paired per seed), beside the transcoder's KL."""
+    groups = groups_of(rows)
+    transcoder = transcoder_runs(groups)
+    out = ["| model | K | tokens | seeds | default MxD (H = W/2): code share | its KL / transcoder | paper's MxD (H = W): "
+           "code share | its KL / transcoder | skip transcoder: code share | its KL / transcoder | transcoder KL |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for model, budget, k in sorted(transcoder, key=lambda t: (MODELS.index(t[0]), -t[2], t[1])):
+        base = transcoder[(model, budget, k)]
+        cells = []
+        for variant in (DEFAULT_MXD, "mxd", "skip_transcoder"):
+            rs = groups.get((model, budget, k, variant))
+            cells += ([_cell([r["share"] for r in rs], ".2f"), _ratio_text(paired_ratio(rs, base, "kl"))] if rs
+                      else ["–", "–"])
+        out.append(f"| {model} | {k} | {budget:,} | {len(base)} | " + " | ".join(cells) + " | "
+                   f"{_cell([r['kl'] for r in base.values()], '.4f')} |")
+    return "\n".join(out)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -365,7 +391,7 @@ def main() -> int:
                        f"wall time {(time.perf_counter() - started) / 60:.1f} min on CPU")
         (root / "rows.json").write_text(json.dumps({"rows": rows, "budget": budget_line}), encoding="utf-8")
     choice, chosen = default_choice(rows)
-    text = f"{table(rows)}\n\n{frontier(rows)}\n\n{choice}\n\nbudget: {budget_line}\n"
+    text = f"{table(rows)}\n\n{frontier(rows)}\n\n{choice}\n\n{comparison(rows)}\n\nbudget: {budget_line}\n"
     if chosen.get(DEFAULT_K) not in (None, DEFAULT_MXD):
         text += (f"\nnote: at K = {DEFAULT_K} these rows choose {chosen[DEFAULT_K]}, not the default {DEFAULT_MXD} "
                  "(MxdSpec.mlp_defaults): revisit the default\n")

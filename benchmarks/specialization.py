@@ -101,6 +101,9 @@ HEADLINE = (
 
 _STEERING_DASHES = "".join(" | –" for key, *_ in HEADLINE if key.startswith("steering")) + " |"
 """The dense row's empty steering cells (the dense neurons are probed, not steered)."""
+_DENSE_LEAD = "".join(f" {'0' if key in ('delta_ce', 'fvu') else '–'} |" for key, *_ in HEADLINE
+                      if not key.startswith(("probe", "steering")))
+"""The dense row's cells before its probes: it is the base (ΔCE and FVU 0) and has no code, dead units or masking."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -396,7 +399,7 @@ def seed_table(result: dict) -> list[str]:
         lines.append(f"| {r['kind']} | " + " | ".join(cells) + " |")
     d = result["dense"]
     dense = {k: f"{format_value(v['value'], '.3f')} [{format_value(v['ci'][0], '.3f')}, {format_value(v['ci'][1], '.3f')}]" for k, v in d.items()}
-    lines.append("| dense MLP neurons | 0 | 0 | – | – | – | – | – | " + " | ".join(dense.values()) + _STEERING_DASHES)
+    lines.append(f"| dense MLP neurons |{_DENSE_LEAD} " + " | ".join(dense.values()) + _STEERING_DASHES)
     return lines
 
 
@@ -424,7 +427,7 @@ def summary_table(results: list[dict], kinds: list[str]) -> tuple[list[str], lis
     dense = [res["dense"] for res in results]
     cells = [_spread([d[k]["value"] for d in dense], ".3f")[0] for k in ("probe_best_1d", "probe_f1_k1",
                                                                          "probe_f1_k8")]
-    lines.append(f"| dense MLP neurons ({n}/{n}) | 0 | 0 | – | – | – | – | – | " + " | ".join(cells) + _STEERING_DASHES)
+    lines.append(f"| dense MLP neurons ({n}/{n}) |{_DENSE_LEAD} " + " | ".join(cells) + _STEERING_DASHES)
     return lines, means
 
 

@@ -55,3 +55,11 @@ def test_the_benchmarks_default_variant_is_what_a_recipe_gets(code_share):
         shape = MlpShape(d_model=64, d_hidden=width, activation="gelu", glu=False)
         assert MxdSpec.mlp_defaults(shape)["d_hidden"] == width // divisor, model
     assert (kind, train) == ("mxd", {})
+
+
+def test_the_comparison_pairs_each_variant_with_the_transcoder_of_its_seed(code_share):
+    rows = [_row("stories260k", 20_480, "transcoder", s, 1.0, kl) for s, kl in ((0, 0.10), (1, 0.20))]
+    rows += [_row("stories260k", 20_480, "mxd-h2", s, share, kl) for s, share, kl in ((0, 0.6, 0.12), (1, 0.8, 0.24))]
+    line = code_share.comparison(rows).splitlines()[2]
+    # the default's KL is 1.2x its own seed's transcoder in both seeds; the paper's MxD and the skip transcoder: not run
+    assert line.startswith("| stories260k | 32 | 20,480 | 2 | 0.70 ± ") and "| 1.20 [1.20, 1.20] | – | – | – | – |" in line

@@ -76,7 +76,7 @@ def test_benchmark_trains_from_one_cache_per_seed_and_prints_intervals(tmp_path,
     kl = [json.loads((runs / f"seed{seed}" / "runs" / "mxd" / "metrics.json").read_text())["ce"]["kl_base_spliced"]
           for seed in (0, 1)]
     mean, low, high = specialization.seed_interval(kl)  # the mean over seeds with its 95 % t-interval
-    assert f"| mxd (2/2) | " in only and f"| {mean:.4f} [{low:.4f}, {high:.4f}] |" in only
+    assert "| mxd (2/2) | " in only and f"| {mean:.4f} [{low:.4f}, {high:.4f}] |" in only
 
 
 def test_lr_per_kind_and_layer_options(monkeypatch):
