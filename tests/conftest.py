@@ -89,14 +89,21 @@ def run_isolated(code: str, tmp_path: Path, timeout: int = 240, args: tuple[str,
     return result.stdout
 
 
+REPO_TEST_DATA = Path(__file__).resolve().parent / "data"
+"""The real checkpoints and corpora shipped in the repository (tests/data/README.md)."""
+
+
 def shared_data_dir() -> Path:
-    """The real checkpoints and corpora (../shared/data), located by EXPERTIZE_TEST_DATA, set by .ci/run."""
+    """The real checkpoints and corpora: EXPERTIZE_TEST_DATA when set (a folder with models/ and corpora/), otherwise
+    the repository's own tests/data. Missing data fails the test with the fix; it never skips."""
     value = os.environ.get("EXPERTIZE_TEST_DATA")
-    if not value:
-        pytest.skip("EXPERTIZE_TEST_DATA is not set (point it at shared/data to run the real-checkpoint tests)")
-    path = Path(value)
-    if not (path / "models").is_dir():
-        raise RuntimeError(f"EXPERTIZE_TEST_DATA={value} does not contain models/; point it at shared/data")
+    path = Path(value) if value else REPO_TEST_DATA
+    if not (path / "models").is_dir() or not (path / "corpora").is_dir():
+        where = f"EXPERTIZE_TEST_DATA={value}" if value else f"{path} (the repository's test data)"
+        fix = ("point EXPERTIZE_TEST_DATA at a folder with models/ and corpora/, or unset it to use tests/data"
+               if value else "restore it from git (`git checkout -- tests/data expertize/assets`); the links in "
+               "tests/data need a checkout that keeps symbolic links")
+        pytest.fail(f"{where} has no models/ and corpora/ folders: {fix}", pytrace=False)
     return path
 
 
@@ -187,14 +194,18 @@ def check_remote_roundtrip(model, tmp_path: Path, blocks: str, tokenizer=None) -
     return json.loads(out.strip().splitlines()[-1]), input_ids, logits
 
 
-# -- the default run and the opt-in run -------------------------------------------------------------------------------
+# -- the default run and the opt-in runs ------------------------------------------------------------------------------
 #
-# `python -m pytest` runs the fast suite: it leaves out the tests marked `slow` (the rest of transformers' family x
-# kind matrix and the native controls, also marked `full_matrix`, and the longest end-to-end tests). Any `-m`
-# expression chooses by itself (`-m slow`: the opt-in run; `-m full_matrix`: the matrix only; `-m "slow or not slow"`:
-# everything), and a test named by its node id (`tests/test_x.py::test_y`) runs whatever its marks.
+# `python -m pytest` runs the fast suite: it leaves out the tests marked `slow` (the MLP's contracts on the rest of
+# transformers' family x kind product, and the longest end-to-end tests; .ci/run runs them with `-m slow`) and those
+# marked `full_matrix` (the rest of the product's battery and the native controls; outside CI). Any `-m` expression
+# chooses by itself (`-m slow`: CI's opt-in run; `-m full_matrix`: the full matrix; `-m "slow or not slow"`:
+# everything CI runs; `-m "full_matrix or not full_matrix"`: everything), and a test named by its node id
+# (`tests/test_x.py::test_y`) runs whatever its marks.
 
 OPT_IN = "slow"
+OPT_IN_MARKS = (OPT_IN, "full_matrix")
+"""The marks a run without `-m` leaves out."""
 
 
 def named_on_the_command_line(config) -> list[tuple[Path, str]]:
@@ -208,9 +219,9 @@ def named_on_the_command_line(config) -> list[tuple[Path, str]]:
 
 
 def opted_out(item, markexpr: str, named: list[tuple[Path, str]]) -> bool:
-    """Whether the default selection leaves `item` out: it is marked OPT_IN, no `-m` expression was given, and the
-    command line does not name it."""
-    if markexpr or item.get_closest_marker(OPT_IN) is None:
+    """Whether the default selection leaves `item` out: it has a mark of OPT_IN_MARKS, no `-m` expression was given,
+    and the command line does not name it."""
+    if markexpr or all(item.get_closest_marker(mark) is None for mark in OPT_IN_MARKS):
         return False
     part = item.nodeid.partition("::")[2]
     return not any(Path(item.path).resolve() == path and (part == rest or part.startswith((rest + "::", rest + "[")))
@@ -229,5 +240,6 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_report_header(config):
     if not (config.getoption("markexpr", "") or ""):
-        return [f"the fast suite: tests marked {OPT_IN} are deselected (opt in: -m {OPT_IN}; README.md#tests)"]
+        return [f"the fast suite: tests marked {' or '.join(OPT_IN_MARKS)} are deselected (opt in: -m {OPT_IN}, "
+                "-m full_matrix; README.md#tests)"]
     return []

@@ -27,6 +27,7 @@ from expertize.conversion.data.text import (
 )
 from expertize.conversion.recipe.data import DataConfig, token_budget_to_sequences
 from expertize.conversion.errors import ExpertizeError
+from tests.conftest import shared_data_dir
 
 NUM_DOCS = 200
 WORDS = [f"w{i}" for i in range(20)]
@@ -372,9 +373,7 @@ def test_config_validation(corpus, overrides, message):
 
 
 def test_stories260k_real_tokenizer_and_corpus():
-    root = os.environ.get("EXPERTIZE_TEST_DATA")
-    if not root:
-        pytest.skip("EXPERTIZE_TEST_DATA is not set (the folder with models/ and corpora/ that .ci/run provides)")
+    root = str(shared_data_dir())
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(os.path.join(root, "models", "stories260k"))

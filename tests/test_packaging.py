@@ -74,6 +74,7 @@ def test_wheel_holds_every_subpackage_the_lm_eval_tasks_and_the_assets(wheel):
     assets = [p for p in expected if p.startswith("expertize/assets/")]
     assert "expertize/assets/tiny-gpt2-shakespeare/model.safetensors" in assets
     assert "expertize/assets/tinyshakespeare.txt" in assets
+    assert {"expertize/assets/stories260k/model.safetensors", "expertize/assets/stories260k_samples.txt"} <= set(assets)
     assert "expertize/recipes/quickstart.yaml" in expected
     missing = sorted(set(expected) - names)
     assert not missing, f"the wheel lacks {missing}: declare them in pyproject.toml (packages / package-data)"
@@ -82,16 +83,26 @@ def test_wheel_holds_every_subpackage_the_lm_eval_tasks_and_the_assets(wheel):
             assert z.read(name) == expected[name].read_bytes(), name
 
 
-def test_shipped_assets_are_the_test_datas_model_and_text():
-    """The quickstart reads the same model and text from the package as it did from EXPERTIZE_DATA."""
+SHIPPED_DATA = {  # tests/data path -> the asset it is
+    "corpora/tinyshakespeare.txt": "tinyshakespeare.txt",
+    "corpora/stories260k_samples.txt": "stories260k_samples.txt",
+    "models/tiny-gpt2-shakespeare": "tiny-gpt2-shakespeare",
+    "models/stories260k": "stories260k",
+}
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in _source_files(path)} if path.is_dir() else {path.name: path.read_bytes()}
+
+
+def test_shipped_assets_are_the_test_datas_models_and_text():
+    """The shipped recipes read the same models and text from the package as the tests read from tests/data (its
+    links point into the assets: one copy in the repository) and, where EXPERTIZE_TEST_DATA names the project's
+    shared data, byte for byte the same files as there."""
     data = shared_data_dir()
-    pairs = [(ASSETS / "tinyshakespeare.txt", data / "corpora" / "tinyshakespeare.txt")]
-    model = data / "models" / "tiny-gpt2-shakespeare"
-    pairs += [(ASSETS / "tiny-gpt2-shakespeare" / p.name, p) for p in _source_files(model)]
-    assert sorted(p.name for p in _source_files(ASSETS / "tiny-gpt2-shakespeare")) == sorted(
-        p.name for p in _source_files(model))
-    for shipped, original in pairs:
-        assert shipped.read_bytes() == original.read_bytes(), shipped
+    for rel, asset in SHIPPED_DATA.items():
+        assert (REPO / "tests" / "data" / rel).resolve() == (ASSETS / asset).resolve(), rel
+        assert _files(data / rel) == _files(ASSETS / asset), rel
 
 
 def _fresh_venv(root: Path) -> Path:

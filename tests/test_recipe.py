@@ -47,21 +47,8 @@ PAPER_NUM_EXPERTS = {"gpt2": 21490, "pythia410m": 28658, "pythia1.4b": 57330, "l
 
 @pytest.fixture
 def data_dir(tmp_path_factory, monkeypatch) -> Path:
-    """EXPERTIZE_DATA for the shipped recipes: the real data folder from EXPERTIZE_TEST_DATA when set, otherwise
-    empty stand-ins for every `${EXPERTIZE_DATA}/...` path the recipes name (loading checks only that files exist)."""
-    real = os.environ.get("EXPERTIZE_TEST_DATA")
-    if real:
-        root = Path(real)
-    else:
-        root = tmp_path_factory.mktemp("expertize_data")
-        for recipe in SHIPPED:
-            for rel in ENV_PATH.findall(recipe.read_text()):
-                path = root / rel.lstrip("/")
-                if path.suffix:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    path.touch()
-                else:
-                    path.mkdir(parents=True, exist_ok=True)
+    """EXPERTIZE_DATA for the shipped recipes: the real data folder (tests/data, or EXPERTIZE_TEST_DATA)."""
+    root = shared_data_dir()
     monkeypatch.setenv("EXPERTIZE_DATA", str(root))
     return root
 

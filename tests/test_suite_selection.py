@@ -1,7 +1,8 @@
-"""What the default run holds: transformers' common tests on every family with MxD and on every kind with one family
-of each MLP form (a gated one and GPT-2's Conv1D), derived from tests/families.py and tests/kinds.py; everything else
-of the matrix, and the native controls, behind the opt-in marks; and the rule of tests/conftest.py that leaves the
-opt-in tests out of a run without `-m` unless the command line names them."""
+"""What each run holds: transformers' common tests on every family with MxD and on every kind with one family of each
+MLP form (a gated one and GPT-2's Conv1D) in the default run; the MLP's contracts on every other pair in the opt-in
+run CI runs (`-m slow`); the rest of the product and the native controls in the full matrix (`-m full_matrix`),
+derived from tests/families.py and tests/kinds.py; and the rule of tests/conftest.py that leaves the opt-in tests
+out of a run without `-m` unless the command line names them."""
 
 import dataclasses
 from pathlib import Path
@@ -11,7 +12,7 @@ from transformers.pytorch_utils import Conv1D
 
 import tests.test_transformers_common as common
 from expertize.modeling import LAYER_KINDS
-from tests.conftest import OPT_IN, named_on_the_command_line, opted_out, tiny_base_model
+from tests.conftest import OPT_IN, OPT_IN_MARKS, named_on_the_command_line, opted_out, tiny_base_model
 from tests.families import FAMILY_NAMES, ROWS
 from tests.kinds import KINDS
 
@@ -26,13 +27,30 @@ def _classes() -> dict[tuple[str, str | None], type]:
             if isinstance(value, type) and issubclass(value, common._CommonTests) and value is not common._CommonTests}
 
 
+def _tests(cls) -> list[str]:
+    return [name for name in dir(cls) if name.startswith("test") and callable(getattr(cls, name))]
+
+
+def _runs(cls) -> dict[str, set[str]]:
+    """The tests of `cls` by the run that holds them: "default", "slow" (CI's opt-in run) or "full_matrix".
+    transformers' own `slow` tests (GPU-only) count where the expertize mark puts them."""
+    runs: dict[str, set[str]] = {"default": set(), "slow": set(), "full_matrix": set()}
+    for name in _tests(cls):
+        marks = _marks(getattr(cls, name))
+        runs["full_matrix" if "full_matrix" in marks else "slow" if name in _own_slow(cls, name) else "default"].add(
+            name)
+    return runs
+
+
+def _own_slow(cls, name: str) -> set[str]:
+    """{name} when the expertize matrix put `name` in CI's opt-in run (not transformers' own `slow` mark)."""
+    marks = [mark.name for mark in getattr(getattr(cls, name), "pytestmark", [])]
+    inherited = [mark.name for mark in getattr(getattr(common._CommonTests, name), "pytestmark", [])]
+    return {name} if marks.count("slow") > inherited.count("slow") else set()
+
+
 def _default(classes) -> set[tuple[str, str | None]]:
-    return {pair for pair, cls in classes.items() if OPT_IN not in _marks(cls)}
-
-
-def _opt_in_tests(cls) -> set[str]:
-    """The tests of `cls` marked for the opt-in run here (transformers marks its skipped `@slow` tests slow too)."""
-    return {name for name in dir(cls) if name.startswith("test") and "full_matrix" in _marks(getattr(cls, name))}
+    return {pair for pair, cls in classes.items() if "test_save_load" in _runs(cls)["default"]}
 
 
 def _mlp_is_conv1d(family: str) -> bool:
@@ -58,32 +76,49 @@ def test_the_default_run_covers_every_family_with_mxd_and_every_kind_on_a_glu_an
     assert default == {(f, "mxd") for f in FAMILY_NAMES} | {(f, kind) for f in every_kind for kind in kinds}
 
 
-def test_the_rest_of_the_matrix_and_the_native_controls_are_opt_in():
-    classes = _classes()
-    rest = {pair for pair in classes if pair not in _default(classes)}
-    assert {(family, None) for family in FAMILY_NAMES} <= rest
-    assert all(_marks(classes[pair]) >= {"full_matrix", OPT_IN} for pair in rest)
+def test_the_mlp_contracts_name_tests_of_the_battery():
+    """A renamed test in transformers would silently drop out of CI's tier: every name must be one of the mixin's."""
+    names = set(_tests(common._CommonTests))
+    assert set(common.MLP_CONTRACTS) <= names, sorted(set(common.MLP_CONTRACTS) - names)
+    assert len(set(common.MLP_CONTRACTS)) == len(common.MLP_CONTRACTS) >= 20
 
 
-def test_the_default_pairs_of_other_kinds_leave_the_machinery_tests_to_the_opt_in_run():
+def test_every_other_pair_runs_the_mlp_contracts_in_ci_and_the_rest_in_the_full_matrix():
     classes = _classes()
-    machinery = _opt_in_tests(classes[("llama", "transcoder")])
+    default = _default(classes)
+    runs_of_default_pair = _runs(classes[("llama", "transcoder")])["default"]
+    assert len(common.CROSS_LAYER_ON_FORMS) == 2
+    for pair, cls in classes.items():
+        runs = _runs(cls)
+        if pair[1] is None:  # the native controls: all of them in the full matrix
+            assert not runs["default"] and not runs["slow"], pair
+        elif pair in common.CROSS_LAYER_ON_FORMS:  # the battery of the other kinds' default pairs, in CI's run
+            assert runs["slow"] == runs_of_default_pair and not runs["default"], pair
+        elif pair not in default:
+            assert runs["slow"] == set(common.MLP_CONTRACTS) and not runs["default"], pair
+        # nothing of the full matrix also carries `slow` (CI's `-m slow` would collect it)
+        assert all("slow" not in _marks(getattr(cls, name)) for name in runs["full_matrix"]), pair
+
+
+def test_the_default_pairs_of_other_kinds_leave_the_machinery_tests_to_the_full_matrix():
+    classes = _classes()
+    machinery = _runs(classes[("llama", "transcoder")])["full_matrix"]
     assert {"test_generate_compile_model_forward_fullgraph", "test_torch_export"} <= machinery
     sdpa = [name for name in dir(common._CommonTests) if name.startswith("test_eager_matches_sdpa_inference_")]
     assert len(machinery) == 3 + len(sdpa) and len(sdpa) > 1
     for pair in _default(classes):
-        opt_in = _opt_in_tests(classes[pair])
-        assert opt_in == (set() if pair[1] == "mxd" else machinery), pair
-        assert all(_marks(getattr(classes[pair], name)) >= {"full_matrix", OPT_IN} for name in opt_in)
-    # The mixin's own tests stay unmarked: the classes of the opt-in run have them whole, marked as a class.
-    assert not _opt_in_tests(common._CommonTests) and not _opt_in_tests(classes[("qwen2", "transcoder")])
+        runs = _runs(classes[pair])
+        assert runs["full_matrix"] == (set() if pair[1] == "mxd" else machinery), pair
+        assert not runs["slow"], pair
+    # The mixin's own tests stay unmarked: each class gets its own marked copies.
+    assert not _runs(common._CommonTests)["full_matrix"] and not _runs(common._CommonTests)["slow"]
 
 
 def test_the_marks_are_registered_and_the_default_run_has_no_mark_expression():
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     ini = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["tool"]["pytest"]
     names = {marker.split(":")[0] for marker in ini["ini_options"]["markers"]}
-    assert {OPT_IN, "full_matrix"} <= names
+    assert set(OPT_IN_MARKS) <= names
     # A -m in addopts would be replaced by a user's own -m (`-m "not slow"` would bring the matrix back).
     assert "-m" not in ini["ini_options"]["addopts"].split()
 
@@ -125,7 +160,7 @@ class _Config:
 )
 def test_the_default_run_leaves_out_the_opt_in_tests_unless_named_or_a_mark_expression_is_given(args, markexpr, kept):
     items = {"plain": _Item("tests/test_a.py::test_plain"), "opt": _Item("tests/test_a.py::test_opt[x]", (OPT_IN,)),
-             "class": _Item("tests/test_a.py::TestC::test_m", (OPT_IN, "full_matrix"))}
+             "class": _Item("tests/test_a.py::TestC::test_m", ("full_matrix",))}
     named = named_on_the_command_line(_Config(*args))
     assert {key for key, item in items.items() if not opted_out(item, markexpr, named)} == kept
 
