@@ -49,8 +49,10 @@ MUTATIONS = [
     Mutation(
         "M1", "family: Phi-3's fused gate_up_proj read in the wrong half order (up, gate)",
         "conversion/surgery/families.py",
-        '_FUSED_GATED_MLP = MlpLayout("gate_up_proj", "down_proj", activation="activation_fn", fused_halves=("gate", "up"))',
-        '_FUSED_GATED_MLP = MlpLayout("gate_up_proj", "down_proj", activation="activation_fn", fused_halves=("up", "gate"))',
+        '_FUSED_GATED_MLP = MlpLayout("gate_up_proj", "down_proj", activation="activation_fn", '
+        'fused_halves=("gate", "up"))',
+        '_FUSED_GATED_MLP = MlpLayout("gate_up_proj", "down_proj", activation="activation_fn", '
+        'fused_halves=("up", "gate"))',
         ("tests/test_dense_init.py", "tests/test_splice_roundtrip.py", "tests/test_transformers_common.py",
          "-k", "phi3 or Phi3"),
     ),
@@ -110,7 +112,8 @@ def apply(mutation: Mutation) -> str:
         raise SystemExit(f"{mutation.file} has uncommitted changes; commit or stash them before mutating it")
     text = path.read_text()
     if text.count(mutation.old) != 1:
-        raise SystemExit(f"{mutation.key}: the text to mutate is not in {mutation.file} exactly once; update MUTATIONS")
+        raise SystemExit(f"{mutation.key}: the text to mutate is not in {mutation.file} exactly once; "
+                         "update MUTATIONS")
     path.write_text(text.replace(mutation.old, mutation.new))
     return text
 

@@ -1,5 +1,5 @@
-"""`expertize export MODEL_DIR --to sparsify|circuit-tracer|delphi OUTPUT`: the subcommand's flags and its run (the
-CLI module only registers it)."""
+"""`expertize export MODEL_DIR --to sparsify|circuit-tracer|saelens|delphi OUTPUT`: the subcommand's flags and its
+run (the CLI module only registers it)."""
 
 import argparse
 import sys
@@ -8,7 +8,7 @@ from .cli_flags import corpus_pass_flags, reading_of, settings_from, token_progr
 
 __all__ = ["add_export", "run_export"]
 
-TARGETS = ("sparsify", "circuit-tracer", "delphi")
+TARGETS = ("sparsify", "circuit-tracer", "saelens", "delphi")
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -52,10 +52,11 @@ def run_export(args: argparse.Namespace) -> int:
 def add_export(sub) -> None:
     ex = sub.add_parser(
         "export",
-        help="a folder's sparse layers for sparsify, circuit-tracer or delphi (docs/export.md)",
+        help="a folder's sparse layers for sparsify, circuit-tracer, SAELens or delphi (docs/export.md)",
         description="Write MODEL_DIR's sparse layers in another tool's own layout, named for the base model the "
-        "tool loads: sparsify (one cfg.json + sae.safetensors per hookpoint) and circuit-tracer (one JumpReLU "
-        "coder per layer, every layer) hold the layers themselves and refuse a layer they cannot hold exactly; delphi "
+        "tool loads: sparsify (one cfg.json + sae.safetensors per hookpoint), circuit-tracer (one JumpReLU "
+        "coder per layer, every layer) and SAELens (one cfg.json + sae_weights.safetensors per layer) hold the "
+        "layers themselves and refuse a layer they cannot hold exactly; delphi "
         "holds every activation over --corpus text (any kind).",
     )
     ex.later = _export_flags

@@ -124,7 +124,7 @@ def test_the_export_refusals_name_the_fix(tmp_path, capsys):
     partial = model_folder(tmp_path, {0: clt_layers((0,))[0]}, name="partial")
     for args, expected in (
         ([str(folder), "--to", "sparsify"], r"is a cross-layer transcoder, which sparsify cannot hold .* export it "
-                                            r"--to circuit-tracer or delphi"),
+                                            r"--to circuit-tracer, saelens \(per layer\) or delphi"),
         ([str(partial), "--to", "circuit-tracer"], r"circuit-tracer's cross-layer transcoder covers every decoder "
                                                    r"layer 0\.\.1, but \S+ CLT leaves out layer\(s\) \[1\]"),
     ):

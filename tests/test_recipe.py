@@ -1,6 +1,5 @@
 """Recipes: strict loading, overrides, env vars, layer resolution, and every shipped YAML."""
 
-import os
 import re
 from pathlib import Path
 
@@ -20,10 +19,10 @@ from expertize.conversion.recipe import (
     save_recipe,
 )
 from expertize.modeling import FAMILIES, MlpShape, MxdSpec, SkipTranscoderSpec, TranscoderSpec
+from tests.conftest import shared_data_dir
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 SHIPPED = sorted(RECIPES.rglob("*.yaml"))
-ENV_PATH = re.compile(r"\$\{EXPERTIZE_DATA\}(/[^\s\]'\"]*)")
 
 # The MLPs and depths of the base models the shipped recipes name (no download needed).
 BASE_MODELS = {
@@ -46,7 +45,7 @@ PAPER_NUM_EXPERTS = {"gpt2": 21490, "pythia410m": 28658, "pythia1.4b": 57330, "l
 
 
 @pytest.fixture
-def data_dir(tmp_path_factory, monkeypatch) -> Path:
+def data_dir(monkeypatch) -> Path:
     """EXPERTIZE_DATA for the shipped recipes: the real data folder (tests/data, or EXPERTIZE_TEST_DATA)."""
     root = shared_data_dir()
     monkeypatch.setenv("EXPERTIZE_DATA", str(root))

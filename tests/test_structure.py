@@ -62,6 +62,10 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     # recipe itself reaches MxD's conventions through MxdSpec.matched_size like any kind's.
     ("conversion/recipe/param_match.py", "mxd", "identifier"): "the MxD paper's Table 2 reproduction",
     ("conversion/recipe/param_match.py", "MxdSpec", "identifier"): "the MxD paper's Table 2 reproduction",
+    # SAELens names its transcoder classes as some kinds are named: its architecture names, written into its cfg.json
+    ("conversion/export/saelens.py", "jumprelu_transcoder", "string"): "SAELens's architecture name",
+    ("conversion/export/saelens.py", "transcoder", "string"): "SAELens's architecture name",
+    ("conversion/export/saelens.py", "skip_transcoder", "string"): "SAELens's architecture name",
 }
 
 

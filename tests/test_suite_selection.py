@@ -8,10 +8,10 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from expertize.modeling import LAYER_KINDS
 from transformers.pytorch_utils import Conv1D
 
 import tests.test_transformers_common as common
-from expertize.modeling import LAYER_KINDS
 from tests.conftest import OPT_IN, OPT_IN_MARKS, named_on_the_command_line, opted_out, tiny_base_model
 from tests.families import FAMILY_NAMES, ROWS
 from tests.kinds import KINDS

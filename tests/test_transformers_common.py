@@ -10,11 +10,13 @@ the mutations that chose it: docs/results/test_loop.md):
   Linear one) — less the tests of the whole model's machinery (`MXD_ONLY`) on the pairs of another kind than MxD.
   A kind reaches a family only through the MLP's form and one shared mixin, and a kind file may import only torch
   and the shared `sparse_*` files (tests/test_structure.py), so a bug of one family x kind pair needs a code path the
-  layout forbids: the two axes cover the ground of the matrix.
+  layout forbids, or one in that mixin (the model's init, save and load around the layer): the next tier holds every
+  pair to those.
 - the opt-in run that CI runs (`-m slow`): the cross-layer kind's battery on the two MLP forms (as the default run's
-  other kinds), and on every other pair of the product, the tests that exercise the replaced MLP (`MLP_CONTRACTS`: save/load, initialization, training and gradient
-  checkpointing, batching and padding, generation and its cache, router outputs). The pair's
-  MLP form, activation and biases reach the kind there, and the model-level contracts around it do not change.
+  other kinds), and on every other pair of the product the tests that exercise the replaced MLP (`MLP_CONTRACTS`:
+  save/load, initialization, training and gradient checkpointing, batching and padding, generation and its cache,
+  router outputs). The pair's MLP form (gated, fused, biased) and the family's model code around the layer meet the
+  kind there; every family's tester uses one activation (gelu), so the activation is not what varies.
 - the full matrix (`-m full_matrix`, outside CI): the rest of every pair's battery and the native controls. They
   check again what the two tiers above check once (the model's machinery does not depend on the kind); run them
   when a family or the pinned transformers changes.
@@ -28,9 +30,9 @@ import unittest
 from unittest import mock
 
 import pytest
+from expertize.modeling import LAYER_KINDS
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
-from expertize.modeling import LAYER_KINDS
 from tests.common_testers import FamilyTester
 from tests.families import FAMILY_NAMES, MLP_FORMS
 from tests.kinds import KINDS
@@ -122,8 +124,9 @@ class _CommonTests(ModelTesterMixin, GenerationTesterMixin):
 
 
 def _marked(method, where: str):
-    """The mixin's test `method` for one class only, marked for the run `where` ("slow" or "full_matrix"). In the full
-    matrix, transformers' own `slow` mark (its GPU-only tests) is dropped: CI's `-m slow` does not collect them there."""
+    """The mixin's test `method` for one class only, marked for the run `where` ("slow" or "full_matrix"). In the
+    full matrix, transformers' own `slow` mark (its GPU-only tests) is dropped: CI's `-m slow` does not collect them
+    there."""
 
     @functools.wraps(method)
     def test(self, *args, **kwargs):

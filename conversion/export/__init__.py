@@ -7,10 +7,12 @@ analyse with (docs/export.md).
     sparsify.py         EleutherAI sparsify: <hookpoint>/cfg.json + sae.safetensors
     circuit_tracer.py   circuit-tracer: config.yaml + layer_{i}.safetensors at every layer (TopK without ReLU made
                         exact by K zero latents)
+    saelens.py          SAELens: <input hook>/cfg.json + sae_weights.safetensors (JumpReLU / ReLU transcoders; a CLT as
+                        its per-layer view, the later layers' decoders beside it)
     delphi.py           delphi's latent cache of every activation over named corpora (every kind)
     transformer_lens.py TransformerLens adapters for expertize folders (registered through its entry points; no
                         files are written: TransformerLens wraps the folder itself)
-    coders.py           sparsify and circuit-tracer exports of a folder (`export_coders`)
+    coders.py           sparsify, circuit-tracer and SAELens exports of a folder (`export_coders`)
     command.py          the subcommand's flags and its run
 
 Nothing is imported here: the CLI registers the subcommand without loading torch.

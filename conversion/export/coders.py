@@ -1,4 +1,5 @@
-"""The exports that hold the layers themselves, as sparse coders (and a whole CLT): sparsify and circuit-tracer."""
+"""The exports that hold the layers themselves, as sparse coders (and a whole CLT): sparsify, circuit-tracer and
+SAELens."""
 
 import os
 from pathlib import Path
@@ -8,7 +9,7 @@ from .endpoints import EXPORT_RECORD, base_model_name, checked_source, staged_ou
 
 __all__ = ["CODER_TARGETS", "export_coders"]
 
-CODER_TARGETS = ("sparsify", "circuit-tracer")
+CODER_TARGETS = ("sparsify", "circuit-tracer", "saelens")
 """The targets that hold the layers themselves (as sparse coders); delphi holds their activations instead."""
 
 
@@ -20,12 +21,14 @@ def export_coders(model_dir: str | os.PathLike, target: str, output: str | os.Pa
     whose activation the target does not compute, a cross-layer transcoder for another target than circuit-tracer,
     for circuit-tracer a layer set that is not every layer at one width (and one k), TopK layers unless
     `circuit_tracer_topk` (the registry's circuit-tracer would read them as ReLU), an unnamed base model, an output
-    that exists or cannot be written. A selection bias is read from the weights, then refused the same way."""
+    that exists or cannot be written; for SAELens, TopK layers (it has no TopK transcoder). A selection bias is read
+    from the weights, then refused the same way."""
     import json
 
     from ..progress import quiet_library_progress
     from ..surgery.splice import load_expertize_model
     from .circuit_tracer import check_transcoder_set, is_clt, write_attribution_kit, write_circuit_tracer
+    from .saelens import saelens_architecture, write_saelens
     from .sparsify import write_sparsify
 
     if target not in CODER_TARGETS:
@@ -39,6 +42,9 @@ def export_coders(model_dir: str | os.PathLike, target: str, output: str | os.Pa
         check_transcoder_set({i: c.W_enc.shape[0] for i, c in planned.items()}, {i: c.k for i, c in planned.items()},
                              {i: c.activation for i, c in planned.items()}, _num_layers(config, model_dir),
                              str(model_dir), allow_topk=circuit_tracer_topk)
+    if target == "saelens":
+        for i, coder in planned.items():
+            saelens_architecture(coder.activation, coder.W_skip is not None, f"layer {i} of {model_dir}")
     need = sum(4 * sum(t.numel() for t in c if hasattr(t, "numel")) for c in planned.values())  # float32 bound
     with quiet_library_progress():  # one line of outcome, no loading bar
         layers = coder_layers(load_expertize_model(model_dir), target)
@@ -46,6 +52,8 @@ def export_coders(model_dir: str | os.PathLike, target: str, output: str | os.Pa
     with staged_output(output, need_bytes=need) as staging:
         if target == "sparsify":
             write_sparsify(layers, staging)
+        elif target == "saelens":
+            write_saelens(layers, staging, model_name=name, prepend_bos=_prepend_bos(model_dir))
         else:
             write_circuit_tracer(layers, staging, model_name=name, scan=f"{Path(name).name}/{record['source']}")
             write_attribution_kit(Path(model_dir), staging)
@@ -56,7 +64,7 @@ def export_coders(model_dir: str | os.PathLike, target: str, output: str | os.Pa
 
 
 def _export_clt(model_dir, config: dict, target: str, output, name: str) -> Path:
-    """A cross-layer transcoder's folder, as circuit-tracer's CLT (the only target that holds one)."""
+    """A cross-layer transcoder's folder, as circuit-tracer's CLT, or as SAELens's per-layer view of it."""
     import json
 
     from expertize.modeling import LAYER_KINDS
@@ -65,10 +73,12 @@ def _export_clt(model_dir, config: dict, target: str, output, name: str) -> Path
     from ..surgery.splice import load_expertize_model
     from .circuit_tracer import check_clt, write_attribution_kit, write_circuit_tracer_clt
 
+    from .saelens import write_saelens_clt
+
     title = next(LAYER_KINDS[f["kind"]][0].title for f in config["sparse_layers"].values())
-    if target != "circuit-tracer":
+    if target == "sparsify":
         raise ExportError(f"{model_dir} is a {title}, which {target} cannot hold (a layer's output reads every earlier "
-                          "layer's latents); export it --to circuit-tracer or delphi")
+                          "layer's latents); export it --to circuit-tracer, saelens (per layer) or delphi")
     check_clt(config["sparse_layers"], _num_layers(config, model_dir), str(model_dir))
     need = sum(4 * fields["num_latents"] * (fields["d_in"] + 2 + len(fields["sources"]) * fields["d_out"])
                for fields in config["sparse_layers"].values())  # float32 bound
@@ -76,10 +86,22 @@ def _export_clt(model_dir, config: dict, target: str, output, name: str) -> Path
         layers = load_expertize_model(model_dir).sparse_layers()
     record = _record(target, model_dir, name, {str(i): title for i in sorted(layers)})
     with staged_output(output, need_bytes=need) as staging:
-        write_circuit_tracer_clt(layers, staging, model_name=name, scan=f"{Path(name).name}/{record['source']}")
-        write_attribution_kit(Path(model_dir), staging)
+        if target == "saelens":  # one JumpReLU transcoder per source layer; its later writes beside it
+            write_saelens_clt(layers, staging, model_name=name, prepend_bos=_prepend_bos(model_dir))
+        else:
+            write_circuit_tracer_clt(layers, staging, model_name=name, scan=f"{Path(name).name}/{record['source']}")
+            write_attribution_kit(Path(model_dir), staging)
         (staging / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     return Path(output)
+
+
+def _prepend_bos(model_dir) -> bool:
+    """Whether the folder's run started its text with BOS (SAELens's `prepend_bos`, which its tools read)."""
+    from transformers import AutoTokenizer
+
+    from ..data.run_reading import TextReading
+
+    return TextReading.of_folder(model_dir).prompt_bos(AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True))
 
 
 def _num_layers(config: dict, model_dir) -> int:

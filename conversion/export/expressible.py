@@ -57,9 +57,11 @@ def exportable_kinds() -> list[str]:
     return sorted(kind for kind, (_, layer) in LAYER_KINDS.items() if layer.sparse_coder is not SparseLayer.sparse_coder)
 
 
-TARGET_ACTIVATIONS = {"sparsify": ("topk",), "circuit-tracer": ("jumprelu", "relu", "topk")}
+TARGET_ACTIVATIONS = {"sparsify": ("topk",), "circuit-tracer": ("jumprelu", "relu", "topk"),
+                      "saelens": ("jumprelu", "relu", "topk")}
 """The coder activations (`Coder.activation`) each target's loader computes: sparsify 1.3.3 encodes TopK only;
-circuit-tracer 0.5.0 JumpReLU and ReLU (TopK only from its repository: export/circuit_tracer.py)."""
+circuit-tracer 0.5.0 JumpReLU and ReLU (TopK only from its repository: export/circuit_tracer.py); SAELens 6.54
+JumpReLU and ReLU (TopK passes here to be refused with SAELens's own reason: export/saelens.py)."""
 
 
 def _held_coder(index: int, spec: SparseSpec, coder: Coder | None, target: str) -> Coder:
