@@ -135,6 +135,7 @@ class JumpReluTranscoderLayer(SparseLayer):
     """JumpReLU transcoder; `W_skip` when `spec.skip_connection`."""
 
     spec: JumpReluTranscoderSpec
+    l0_is_trained_target = True  # spec.k: the sparsity loss steers the mean L0 there
 
     def __init__(self, spec: JumpReluTranscoderSpec) -> None:
         super().__init__(spec)

@@ -319,10 +319,15 @@ class SparseLayer(CodeInterventions, nn.Module):
     """Whether the code lists the top `spec.k` units per token (mxd, transcoders, routed neurons): then every token
     should have K firing units, and a mean L0 far below K means the code collapsed."""
 
+    l0_is_trained_target = False
+    """Whether `spec.k` is the L0 training steers the code to without selecting K units (threshold kinds): then a
+    mean L0 far from it means the thresholds drifted off (evaluation/health.py names which way)."""
+
     @property
     def target_l0(self) -> int | None:
-        """The L0 a healthy code has (K for kinds that select the top K units), or None where there is no such K."""
-        return int(self.spec.k) if self.selects_top_k_units else None
+        """The L0 a healthy code has (K for kinds that select the top K units, the trained target L0 of threshold
+        kinds), or None where there is no such K."""
+        return int(self.spec.k) if self.selects_top_k_units or self.l0_is_trained_target else None
 
     def reset_parameters(self) -> None:
         raise NotImplementedError

@@ -1,15 +1,16 @@
 """Folders and held-out activations for the export tests (tests/test_export.py, tests/test_export_tools.py)."""
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 import torch
-
 from expertize.conversion.publishing.local_paths import base_model_provenance
 from expertize.conversion.surgery.families import decoder_blocks
 from expertize.conversion.surgery.splice import save_model, splice
 from expertize.modeling import SparseLayer, build_sparse_layer
+
 from tests.conftest import tiny_base_model, tiny_tokenizer, write_json
 from tests.kinds import tiny_spec
 
@@ -21,6 +22,17 @@ def needs(module: str, package: str) -> None:
     """Skip (with the reason) when a tool's package is absent; CI installs them all (`.[interop]`, .ci/run)."""
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"{package} is not installed: pip install 'expertize[interop]' (.ci/run installs it)")
+
+
+def tool_python(variable: str, tool: str) -> str:
+    """The python of the second venv (scripts/circuit_tracer_env.sh: the tools that pin transformers 4.x), named by
+    the environment `variable`; a missing one fails the test with the fix (.ci/run makes the venv)."""
+    value = os.environ.get(variable)
+    if not value or not Path(value).is_file():
+        raise RuntimeError(
+            f"{variable} must name the python of a venv with {tool} (got {value!r}): make one with "
+            f"`scripts/circuit_tracer_env.sh DIR` and export {variable}=DIR/bin/python (.ci/run does both)")
+    return value
 
 
 def sparse_layer(kind: str, family: str = "llama", seed: int = 0, **fields) -> SparseLayer:

@@ -228,6 +228,22 @@ def test_health_warnings_name_dead_collapsed_and_concentrated_codes():
     assert code_health(dead_fraction=0.0, l0=0.1, k=None, effective_units=500, num_units=512) == []
 
 
+def test_a_threshold_kinds_l0_far_from_its_target_is_named_so():
+    """Issue 47: a JumpReLU layer's k is the L0 training steers to, not a top K; an L0 far below it (or above) is
+    flagged in its own words, and the layer declares the target (it had none, so nothing was flagged)."""
+    healthy = dict(dead_fraction=0.02, effective_units=900, num_units=1024, k=16, thresholded=True)
+    assert code_health(**{**healthy, "l0": 9.0}) == [] and code_health(**{**healthy, "l0": 31.0}) == []
+    low, high = code_health(**{**healthy, "l0": 4.2}), code_health(**{**healthy, "l0": 40.0})
+    assert [w.split(":")[0] for w in low + high] == ["off target", "off target"]
+    assert "mean L0 4.2 against the target L0 16" in low[0] and "above most pre-activations" in low[0]
+    assert "less sparse than asked" in high[0] and "collapsed" not in " ".join(low + high)
+    from expertize.modeling import build_sparse_layer
+    from tests.kinds import tiny_spec
+
+    assert build_sparse_layer(tiny_spec("jumprelu_transcoder")).target_l0 == tiny_spec("jumprelu_transcoder")["k"]
+    assert build_sparse_layer(tiny_spec("mumoe_cp")).target_l0 is None
+
+
 def test_health_advice_leaves_out_what_the_run_already_used():
     from expertize.conversion.evaluation.health import InEffect
 

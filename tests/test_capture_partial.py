@@ -2,6 +2,7 @@
 pairs as the whole model gives, the blocks it loaded in cache.json, a cache that trains."""
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -63,12 +64,12 @@ def test_a_capture_of_block_1_of_4_loads_two_blocks_and_gives_the_whole_models_p
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_the_trunk_gives_the_whole_models_pairs_in_every_family(family, tmp_path, caplog):
+def test_the_trunk_gives_the_whole_models_pairs_in_every_family(family, tmp_path, transformers_logs):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_base_config(family, num_layers=4)).save_pretrained(tmp_path)
     trunk, loaded = load_base_trunk(tmp_path, 2)
     assert loaded == {"blocks": [0, 1], "of": 4, "head": False}
-    assert not _load_reports(caplog)  # the blocks and the head left out on purpose are no problem to report
+    assert not _load_reports(transformers_logs)  # the blocks and the head left out on purpose are no problem to report
     assert len(decoder_blocks(trunk)) == 2
     ids = torch.randint(4, 99, (3, 16), generator=torch.Generator().manual_seed(0))
     whole = MlpCapture(load_base_model(tmp_path).eval(), [0, 1])(ids)
@@ -77,16 +78,27 @@ def test_the_trunk_gives_the_whole_models_pairs_in_every_family(family, tmp_path
         assert torch.equal(whole[i][0], part[i][0]) and torch.equal(whole[i][1], part[i][1]), (family, i)
 
 
+@pytest.fixture
+def transformers_logs(caplog):
+    """caplog with transformers' own records: its library logger does not propagate to the root logger (where caplog
+    listens) unless some other package turned propagation on, as the interop extra's tools do."""
+    logger = logging.getLogger("transformers")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
 def _load_reports(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if "LOAD REPORT" in r.getMessage()]
+    records = {id(r): r for r in caplog.records}.values()  # once, also where the record propagates to the root too
+    return [r.getMessage() for r in records if "LOAD REPORT" in r.getMessage()]
 
 
-def test_a_checkpoint_missing_a_loaded_weight_is_still_reported(tmp_path, caplog):
+def test_a_checkpoint_missing_a_loaded_weight_is_still_reported(tmp_path, transformers_logs):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(tiny_base_config("llama", num_layers=4)).save_pretrained(tmp_path)
     weights = load_file(str(tmp_path / "model.safetensors"))
     del weights["model.layers.0.mlp.up_proj.weight"]
     save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     load_base_trunk(tmp_path, 2)
-    [report] = _load_reports(caplog)
+    [report] = _load_reports(transformers_logs)
     assert "MISSING" in report and "layers.0.mlp.up_proj.weight" in report, report

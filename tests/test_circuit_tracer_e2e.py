@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import save_file
-
 from expertize.conversion.cli import main as cli_main
 from expertize.conversion.recipe import recipe_from_dict
 from expertize.conversion.surgery.splice import load_expertize_model
 from expertize.conversion.upcycle import upcycle
+from safetensors.torch import save_file
+
 from tests.conftest import shared_data_dir
+from tests.export_helpers import tool_python
 
 pytestmark = pytest.mark.slow  # two short trainings, two exports and a second interpreter (~1 min)
 
@@ -30,13 +31,7 @@ PROMPT = "Once upon a time, there was a little girl named Lily. She loved to"
 
 
 def circuit_tracer_python() -> str:
-    value = os.environ.get("EXPERTIZE_CIRCUIT_TRACER_PYTHON")
-    if not value or not Path(value).is_file():
-        raise RuntimeError(
-            "EXPERTIZE_CIRCUIT_TRACER_PYTHON must name the python of a venv with circuit-tracer 0.5.0 (got "
-            f"{value!r}): make one with `scripts/circuit_tracer_env.sh DIR` and export "
-            "EXPERTIZE_CIRCUIT_TRACER_PYTHON=DIR/bin/python (.ci/run does both)")
-    return value
+    return tool_python("EXPERTIZE_CIRCUIT_TRACER_PYTHON", "circuit-tracer 0.5.0")
 
 
 def train(tmp_path: Path, kind: str) -> Path:

@@ -15,7 +15,7 @@ from expertize.conversion.cli import main
 from expertize.conversion.surgery.splice import load_expertize_model
 from safetensors.torch import load_file
 
-from tests.export_helpers import held_out_ids, mlp_inputs_outputs, model_folder, sparse_layer
+from tests.export_helpers import held_out_ids, mlp_inputs_outputs, model_folder, sparse_layer, tool_python
 from tests.test_clt import clt_layers
 
 
@@ -83,16 +83,6 @@ def test_a_clt_is_written_as_its_per_layer_view_with_the_later_writes_beside_it(
 # -- the registry's SAELens reads them, in a venv without expertize ---------------------------------------------------
 
 
-def saelens_python() -> str:
-    value = os.environ.get("EXPERTIZE_SAELENS_PYTHON")
-    if not value or not Path(value).is_file():
-        raise RuntimeError(
-            "EXPERTIZE_SAELENS_PYTHON must name the python of a venv with SAELens 6.54 (got "
-            f"{value!r}): make one with `scripts/circuit_tracer_env.sh DIR` and export "
-            "EXPERTIZE_SAELENS_PYTHON=DIR/bin/python (.ci/run does both)")
-    return value
-
-
 LOAD = """
 import json, sys
 import torch
@@ -122,8 +112,9 @@ def _read_in_saelens(folder: Path, out: Path, tmp_path: Path, clt: bool) -> dict
                tmp_path / "reference.pt")
     # a clean environment: the venv's python alone, offline, no PYTHONPATH that could reach expertize
     env = {"PATH": os.environ["PATH"], "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path)}
-    result = subprocess.run([saelens_python(), "-c", LOAD, str(out)], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=300, env=env)
+    python = tool_python("EXPERTIZE_SAELENS_PYTHON", "SAELens 6.54")
+    result = subprocess.run([python, "-c", LOAD, str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -5,15 +5,15 @@ classes as the control, so a failure that is the harness's own is told apart fro
 The matrix is tiered by what each tier can catch (docs/native.md#transformers-own-common-tests; the measurements and
 the mutations that chose it: docs/results/test_loop.md):
 
-- the default run (`DEFAULT`): the whole battery on every family with MxD, and on every kind (but the cross-layer
-  one) with one family of each MLP form (tests/families.py `MLP_FORMS`: GPT-2's plain Conv1D MLP, Llama's gated
-  Linear one) — less the tests of the whole model's machinery (`MXD_ONLY`) on the pairs of another kind than MxD.
+- the default run (`DEFAULT`): the whole battery on every family with MxD and on every kind (but the cross-layer one)
+  with one family of each MLP form (tests/families.py `MLP_FORMS`: GPT-2's plain Conv1D MLP, Llama's gated Linear
+  one), less the tests of the whole model's machinery (`MXD_ONLY`: compile, export, dtypes, SDPA).
   A kind reaches a family only through the MLP's form and one shared mixin, and a kind file may import only torch
   and the shared `sparse_*` files (tests/test_structure.py), so a bug of one family x kind pair needs a code path the
   layout forbids, or one in that mixin (the model's init, save and load around the layer): the next tier holds every
   pair to those.
-- the opt-in run that CI runs (`-m slow`): the cross-layer kind's battery on the two MLP forms (as the default run's
-  other kinds), and on every other pair of the product the tests that exercise the replaced MLP (`MLP_CONTRACTS`:
+- the opt-in run that CI runs (`-m slow`): the machinery tests on every family with MxD, the cross-layer kind's
+  battery on the two MLP forms (as the default run's other kinds), and on every other pair of the product the tests that exercise the replaced MLP (`MLP_CONTRACTS`:
   save/load, initialization, training and gradient checkpointing, batching and padding, generation and its cache,
   router outputs). The pair's MLP form (gated, fused, biased) and the family's model code around the layer meet the
   kind there; every family's tester uses one activation (gelu), so the activation is not what varies.
@@ -51,11 +51,12 @@ CROSS_LAYER_ON_FORMS = {(family, kind) for family in MLP_FORMS for kind in KINDS
 
 MXD_ONLY = ("test_generate_compile_model_forward_fullgraph", "test_torch_export", "test_bc_torch_dtype",
             "test_eager_matches_sdpa_inference_*")
-"""Tests of the whole model's machinery (names; `*`: the parameterized ones) that the default run holds to the
-family x MxD pairs: torch.compile and torch.export of the whole model, loading in another dtype, eager vs SDPA
-attention in three dtypes. A kind meets them as it meets any forward, and its own fullgraph compile and dtypes are
-tests/test_kind_contract.py's (in the default run); they take two thirds of a pair's time. On the other pairs of
-`DEFAULT` they are in the full matrix."""
+"""Tests of the whole model's machinery (names; `*`: the parameterized ones): torch.compile and torch.export of the
+whole model, loading in another dtype, eager vs SDPA attention in three dtypes. They run once per family, on the
+family x MxD pairs, in CI's opt-in run (the fullgraph compile alone takes 20–40 s a family on 2 cores: in the fast
+suite they took it past 8 minutes). A kind meets them as it meets any forward, and its own fullgraph compile and
+dtypes are tests/test_kind_contract.py's (in the default run); on the other pairs of `DEFAULT` they are in the full
+matrix."""
 
 MLP_CONTRACTS = (
     # the replaced MLP's weights: saved, loaded (safetensors, torch.save, untied), initialized (meta, missing keys)
@@ -146,8 +147,10 @@ def tier(family: str, kind: str | None, test: str) -> str:
     "full_matrix" (the native controls and the rest of the product)."""
     if kind is None:
         return "full_matrix"
-    if (family, kind) in DEFAULT and (kind == "mxd" or not _matches(test, MXD_ONLY)):
+    if (family, kind) in DEFAULT and not _matches(test, MXD_ONLY):
         return "default"
+    if (family, kind) in DEFAULT and kind == "mxd":  # the model's machinery, once per family: in CI, not the fast suite
+        return "slow"
     if (family, kind) in CROSS_LAYER_ON_FORMS and not _matches(test, MXD_ONLY):
         return "slow"
     return "slow" if _matches(test, MLP_CONTRACTS) else "full_matrix"

@@ -101,6 +101,7 @@ class _UnitFiring:
 
     def __init__(self, layer: SparseLayer, in_effect: InEffect | None = None) -> None:
         self.num_units, self.k, self.active = layer.num_units, getattr(layer, "target_l0", None), layer.active_entries
+        self.thresholded = bool(getattr(layer, "l0_is_trained_target", False))  # k: a trained target, no top K
         self.in_effect = in_effect
         self.counts: torch.Tensor | None = None  # (N,) int64
         self.nonzero = 0
@@ -320,7 +321,8 @@ def evaluate_sparse_layers(
         probe = probed[i]
         report_layers[str(i)] = {**stats[i].as_dict(), **code, **probe, "firing_frequency_histogram": histogram}
         report_layers[str(i)]["health"] = code_health(
-            dead_fraction=code["dead_fraction"], l0=code["l0"], k=firing[i].k, effective_units=code["effective_units"],
+            dead_fraction=code["dead_fraction"], l0=code["l0"], k=firing[i].k, thresholded=firing[i].thresholded,
+            effective_units=code["effective_units"],
             num_units=code["num_units"], code_share=probe["code_share"], bias_altered=probe["bias_altered"],
             in_effect=firing[i].in_effect,
         )

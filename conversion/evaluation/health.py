@@ -8,6 +8,8 @@ end-of-run summary, metrics.json (`layers.<i>.health`), variants.md and the mode
 Bounds (held-out tokens, `evaluation.evaluate`):
 - dead: more than DEAD_BOUND of the units never fired;
 - collapsed: a top-K kind's mean L0 below COLLAPSE_BOUND · K (most selected units have a zero weight);
+- off target: a threshold kind's (JumpReLU) mean L0 below COLLAPSE_BOUND or above OVERSHOOT_BOUND times the target L0
+  it was trained to (its thresholds drifted above, or below, most pre-activations);
 - concentrated: the effective number of units exp(H) of the firing distribution below CONCENTRATION_BOUND of the
   units that fire at all (a few units take most of the firings);
 - dense path: the per-token code carries less than CODE_SHARE_BOUND of the variance the layer explains (giving every
@@ -20,6 +22,7 @@ import dataclasses
 
 DEAD_BOUND = 0.10
 COLLAPSE_BOUND = 0.5
+OVERSHOOT_BOUND = 2.0
 CONCENTRATION_BOUND = 0.1
 CODE_SHARE_BOUND = 0.2
 BIAS_ALTERED_BOUND = 0.05
@@ -83,10 +86,11 @@ def _balance_bias_fix(used: InEffect | None, why: str) -> str | None:
 def code_health(
     *, dead_fraction: float, l0: float, k: int | None, effective_units: float | None, num_units: int,
     code_share: float | None = None, bias_altered: float | None = None,
-    in_effect: InEffect | None = None,
+    in_effect: InEffect | None = None, thresholded: bool = False,
 ) -> list[str]:
-    """Warnings for one layer's code (empty when healthy). `k`: the kind's top K (None for kinds without one);
-    `in_effect`: what the run already used, left out of the fixes (None: the general advice)."""
+    """Warnings for one layer's code (empty when healthy). `k`: the kind's top K (None for kinds without one), or
+    with `thresholded` the target L0 a threshold kind was trained to; `in_effect`: what the run already used, left
+    out of the fixes (None: the general advice)."""
     warnings = []
     if dead_fraction > DEAD_BOUND:
         warnings.append(
@@ -94,7 +98,16 @@ def code_health(
             f"{DEAD_BOUND:.0%}): they lost the top-K competition early and then got no gradient. Fix: "
             f"{_dead_fixes(in_effect)}"
         )
-    if k is not None and l0 < COLLAPSE_BOUND * k:
+    if k is not None and thresholded and not COLLAPSE_BOUND * k <= l0 <= OVERSHOOT_BOUND * k:
+        low = l0 < COLLAPSE_BOUND * k
+        warnings.append(
+            f"off target: mean L0 {l0:.1f} against the target L0 {k} it was trained to (bounds "
+            f"{COLLAPSE_BOUND:g}–{OVERSHOOT_BOUND:g}x): the thresholds sit "
+            + ("above most pre-activations, so few latents fire and the silent ones get no gradient to come back"
+               if low else "below many pre-activations, so the code is less sparse than asked")
+            + ". Fix: more data.train_tokens" + (", a lower train.lr" if low else "")
+        )
+    elif k is not None and l0 < COLLAPSE_BOUND * k:
         fixes = ["a lower train.lr", _balance_bias_fix(in_effect, "the symmetric rule, which holds every unit at "
                                                                    "K / units")]
         warnings.append(
