@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 
 from expertize.modeling import LAYER_KINDS
 
-from .expressible import CoderLayer, ExportError
+from .expressible import CoderLayer, ExportError, kinds_computing
 
 __all__ = ["FEATURE_INPUT_HOOK", "FEATURE_OUTPUT_HOOK", "check_clt", "check_transcoder_set", "is_clt",
            "write_attribution_kit", "write_circuit_tracer", "write_circuit_tracer_clt"]
@@ -65,7 +65,7 @@ def check_transcoder_set(widths: dict[int, int], ks: dict[int, int | None], acti
             "rule; convert every layer with the same kind"
         )
     if topk and not allow_topk:
-        readable = " or ".join(kind for kind, (spec, _) in LAYER_KINDS.items() if spec.coder_activation in RELEASED)
+        readable = kinds_computing(RELEASED)
         raise ExportError(
             f"{model}'s layers are TopK coders, which the registry's circuit-tracer (0.5.0) reads silently as ReLU "
             "coders (every positive latent fires, so its graphs would not be of these layers); train a kind it "

@@ -72,7 +72,6 @@ def _export_clt(model_dir, config: dict, target: str, output, name: str) -> Path
     from ..progress import quiet_library_progress
     from ..surgery.splice import load_expertize_model
     from .circuit_tracer import check_clt, write_attribution_kit, write_circuit_tracer_clt
-
     from .saelens import write_saelens_clt
 
     title = next(LAYER_KINDS[f["kind"]][0].title for f in config["sparse_layers"].values())
@@ -101,7 +100,8 @@ def _prepend_bos(model_dir) -> bool:
 
     from ..data.run_reading import TextReading
 
-    return TextReading.of_folder(model_dir).prompt_bos(AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)
+    return TextReading.of_folder(model_dir).prompt_bos(tokenizer)
 
 
 def _num_layers(config: dict, model_dir) -> int:

@@ -27,7 +27,8 @@ from expertize.modeling.sparse_layers import build_sparse_layer, spec_from_dict
 from ..errors import ExpertizeError
 from ..surgery.families import family_info
 
-__all__ = ["CoderLayer", "ExportError", "coder_layers", "exportable_kinds", "hookpoint", "planned_coders"]
+__all__ = ["CoderLayer", "ExportError", "coder_layers", "exportable_kinds", "hookpoint", "kinds_computing",
+           "planned_coders"]
 
 
 class ExportError(ExpertizeError, ValueError):
@@ -50,6 +51,12 @@ def hookpoint(model_type: str, index: int) -> str:
     family = family_info(model_type)
     prefix = family.causal_lm_class._base_attr + "."
     return f"{family.blocks_path.removeprefix(prefix)}.{index}.mlp"
+
+
+def kinds_computing(activations: tuple[str, ...]) -> str:
+    """The registered kinds whose layers are coders with one of `activations`, as "a or b" (what a refusal
+    names)."""
+    return " or ".join(kind for kind, (spec, _) in LAYER_KINDS.items() if spec.coder_activation in activations)
 
 
 def exportable_kinds() -> list[str]:

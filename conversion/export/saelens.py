@@ -32,16 +32,15 @@ import json
 from pathlib import Path
 
 import torch
-from expertize.modeling import LAYER_KINDS
 from safetensors.torch import save_file
 
-from .expressible import CoderLayer, ExportError
+from .expressible import CoderLayer, ExportError, kinds_computing
 
 __all__ = ["SAELENS_VERSION", "input_hook", "output_hook", "saelens_architecture", "write_saelens",
            "write_saelens_clt"]
 
 SAELENS_VERSION = "6.54.0"
-"""The SAELens release whose loader this layout is read by (tests/test_saelens_e2e.py); >= 6 keeps its pre-6 renames
+"""The SAELens release whose loader this layout is read by (tests/test_saelens.py); >= 6 keeps its pre-6 renames
 off."""
 
 ARCHITECTURES = {  # (our coder activation, a skip path) -> SAELens's architecture name (its class, not our kind)
@@ -53,8 +52,7 @@ ARCHITECTURES = {  # (our coder activation, a skip path) -> SAELens's architectu
 
 
 def _topk_refusal() -> str:
-    readable = " or ".join(kind for kind, (spec, _) in LAYER_KINDS.items()
-                           if not spec.cross_layer and spec.coder_activation in ("jumprelu", "relu"))
+    readable = kinds_computing(("jumprelu", "relu"))
     return ("SAELens has no TopK class (its transcoders are ReLU, JumpReLU and their skip variants), so it would read "
             "these layers as ReLU transcoders, every positive latent firing; train a kind it reads, "
             f"{readable} (layer.kind; layer.k = the target L0), or register a TopK class of your own in SAELens and "
@@ -106,10 +104,13 @@ def _config(architecture: str, d_in: int, d_sae: int, d_out: int, index: int, mo
     }
 
 
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    save_file({name: t.detach().contiguous().float().cpu() for name, t in tensors.items()}, str(path))
+
+
 def _write(folder: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
     folder.mkdir(parents=True)
-    save_file({name: t.detach().contiguous().float().cpu() for name, t in tensors.items()},
-              str(folder / "sae_weights.safetensors"))
+    _save(tensors, folder / "sae_weights.safetensors")
     (folder / "cfg.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return folder
 
@@ -159,8 +160,8 @@ def write_saelens_clt(layers: dict, folder: Path, *, model_name: str, prepend_bo
         config = _config(ARCHITECTURES["jumprelu", False], int(d_in), int(d_sae), int(d_out), i, model_name,
                          prepend_bos, extra)
         out = _write(folder / input_hook(i), tensors, config)
-        later = {f"W_dec_to_{j}": layers[j].W_dec[i].detach().contiguous().float().cpu() for j in range(i + 1, n)}
+        later = {f"W_dec_to_{j}": layers[j].W_dec[i] for j in range(i + 1, n)}  # (L, O) each
         if later:
-            save_file(later, str(out / "cross_layer_decoders.safetensors"))
+            _save(later, out / "cross_layer_decoders.safetensors")
         written.append(out)
     return written
