@@ -66,6 +66,7 @@ import torch
 
 from _timing import Seconds, synchronize, timed
 from expertize.conversion import upcycle as up
+from expertize.conversion.training.distill_plan import recipe_schedule
 from expertize.conversion.data.mlp_pairs import excluded_token_ids, kept_positions
 from expertize.conversion.data.text import iter_sequences
 from expertize.conversion.preflight import plan_run, plan_variants
@@ -190,9 +191,9 @@ def layer_math(plan, pool: list[dict], steps: int, accelerator, folder: Path, wa
 def variants_recipe(recipe, n: int, output_dir: str):
     """`recipe` with `n` variants of its layer, one learning rate each (the recipe's, then x 2^(1/3), x 2^(-1/3),
     x 2^(2/3), ...), under `output_dir`. The recipe's rate is the one its distillation trains at: train.lr, or what
-    `auto` resolves to for its kind and steps (`Recipe.distill_lr`)."""
+    `auto` resolves to for its kind and steps (`recipe_schedule`, the plan's rule)."""
     tree = recipe_to_dict(recipe)
-    lr = recipe.distill_lr()
+    lr = recipe_schedule(recipe).lr
     factors = [1.0] + [2 ** (math.ceil(i / 2) / 3 * (1 if i % 2 else -1)) for i in range(1, n)]
     tree["variants"] = [{"name": f"v{i}-lr{lr * f:.3g}", "train": {"lr": lr * f}} for i, f in enumerate(factors)]
     tree["output_dir"] = output_dir

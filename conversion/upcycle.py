@@ -345,7 +345,7 @@ def publish(
             mean_outputs=trained.mean_outputs, spliced_model=trained.healed_model, progress=progress,
             exclude_token_ids=excluded_token_ids(recipe.data, plan.tokenizer), ablation_memo=ablation_memo,
             raised_units={i: raised for i, (_, raised) in trained.balance.items()},
-            train=recipe.train,
+            plan=trained.distill,
         )
         for i, (summary, _) in trained.balance.items():
             metrics["layers"][str(i)]["balance"] = summary

@@ -155,6 +155,12 @@ class SparseSpec:
         return cls.code_unit_name or cls.unit_name
 
     @classmethod
+    def has_selection_bias(cls) -> bool:
+        """Whether the kind chooses its top K by a score a trainer can bias (its spec declares `selection_bias`):
+        `train.balance` acts on it, and a health warning may advise it."""
+        return "selection_bias" in {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
     def size_field(cls) -> str:
         """The field parameter matching chooses (`match_field`, else `units_field`)."""
         return cls.match_field or cls.units_field

@@ -13,6 +13,7 @@ from expertize.conversion.evaluation.health import code_health
 from expertize.conversion.recipe import EvalConfig, TrainConfig
 from expertize.conversion.training.auxk import fired_units
 from expertize.conversion.training.balance import SelectionBalancer
+from expertize.conversion.training.distill_plan import plan_distillation
 from expertize.conversion.training.resample import Resampler
 from expertize.modeling import build_sparse_layer
 from expertize.modeling.sparse_kernels import LinearReluTopK, relu_topk
@@ -273,10 +274,10 @@ def test_a_layer_trained_with_the_floor_rule_is_not_told_to_use_it():
     metrics = evaluate_sparse_layers(
         tiny_base_model("llama"), {1: layer}, input_ids,
         EvalConfig(batch_sequences=4, generation_prompts=0, histogram=False), progress=False,
-        train=TrainConfig(balance="floor", balance_floor=0.25),
+        plan=plan_distillation(TrainConfig(balance="floor", balance_floor=0.25), layer, steps=100),
     )
     dead = [w for w in metrics["layers"]["1"]["health"] if w.startswith("dead:")]
-    assert len(dead) == 1 and "train.balance: floor" not in dead[0]
+    assert len(dead) == 1 and "train.balance: floor" not in dead[0]  # the plan's rule in effect, not the general advice
     assert "a higher train.balance_floor (this run: 0.25)" in dead[0] and "resample_every_tokens: auto" in dead[0]
 
 

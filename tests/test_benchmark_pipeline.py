@@ -5,9 +5,9 @@ import math
 from pathlib import Path
 
 import pytest
-
 from expertize.conversion.recipe import load_recipe
 from expertize.conversion.recipe.loader import variant_recipes
+from expertize.conversion.training.distill_plan import recipe_schedule
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -18,7 +18,7 @@ def test_the_variants_spread_the_rate_the_recipe_trains_at(monkeypatch, tmp_path
     import pipeline_throughput
 
     recipe = load_recipe(REPO / "recipes" / "quickstart.yaml", [f"output_dir={tmp_path}/one", f"train.lr={lr}"])
-    expected = recipe.distill_lr()
+    expected = recipe_schedule(recipe).lr
     if lr == "auto":
         assert recipe.train.lr == "auto" and expected > 0
     else:
@@ -29,4 +29,4 @@ def test_the_variants_spread_the_rate_the_recipe_trains_at(monkeypatch, tmp_path
     assert all(isinstance(rate, float) for rate in rates), rates
     assert rates == pytest.approx([expected * f for f in factors])
     assert [v.name for v in many.variants] == [f"v{i}-lr{expected * f:.3g}" for i, f in enumerate(factors)]
-    assert all(math.isclose(r.distill_lr(), rate) for (_, r), rate in zip(variant_recipes(many), rates))
+    assert all(math.isclose(recipe_schedule(r).lr, rate) for (_, r), rate in zip(variant_recipes(many), rates))

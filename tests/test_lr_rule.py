@@ -3,9 +3,9 @@
 import json
 
 import pytest
-
 from expertize.conversion.recipe import recipe_from_dict
 from expertize.conversion.recipe.lr_rule import FULL_RATE_STEPS, LR_BEST, MEASURED_STEPS, beyond_measured, rule_lr
+from expertize.conversion.training.distill_plan import recipe_schedule
 from expertize.conversion.upcycle import upcycle
 
 
@@ -30,9 +30,9 @@ def test_a_recipe_resolves_auto_for_its_kind_and_steps(tiny_run, kind, fields, f
         tree["data"]["train_tokens"] = tokens
         recipe = recipe_from_dict(tree)
         steps = recipe.distill_steps()
-        assert recipe.distill_lr() == pytest.approx(LR_BEST * factor * min(1.0, (FULL_RATE_STEPS / steps) ** 0.5))
+        assert recipe_schedule(recipe).lr == pytest.approx(LR_BEST * factor * min(1.0, (FULL_RATE_STEPS / steps) ** 0.5))
     tree["train"]["lr"] = 3e-4
-    assert recipe_from_dict(tree).distill_lr() == 3e-4  # a number is used as given
+    assert recipe_schedule(recipe_from_dict(tree)).lr == 3e-4  # a number is used as given
 
 
 def test_a_run_trains_with_the_auto_rate_and_records_it(tiny_run):

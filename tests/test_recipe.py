@@ -18,6 +18,7 @@ from expertize.conversion.recipe import (
     resolve_layers,
     save_recipe,
 )
+from expertize.conversion.recipe.layer_config import DEFAULT_MATCH_TRANSCODER
 from expertize.modeling import FAMILIES, MlpShape, MxdSpec, SkipTranscoderSpec, TranscoderSpec
 from tests.conftest import shared_data_dir
 
@@ -471,9 +472,7 @@ def test_k_above_n_is_the_specs_error_with_recipe_keys():
 @pytest.mark.parametrize(
     "layer, expected",
     [
-        ({"kind": "mxd"}, r"exactly one of layer\.num_experts .* and layer\.match_transcoder .*; neither is set"),
-        ({"kind": "mxd", "num_experts": 8, "match_transcoder": 32}, r"exactly one of layer\.num_experts.*both are"),
-        ({"kind": "transcoder"}, r"exactly one of layer\.num_latents .*neither is set"),
+        ({"kind": "mxd", "num_experts": 8, "match_transcoder": 32}, r"at most one of layer\.num_experts.*both are"),
         ({"kind": "transcoder", "num_latents": 8, "match_transcoder": 4}, r"layer\.num_latents.*both are set"),
         ({"kind": "mxd", "num_latents": 8}, r"layer\.num_latents=8 does not apply to layer\.kind='mxd'"),
         ({"kind": "transcoder", "num_latents": 8, "encoder": "glu"}, r"layer\.encoder='glu' does not apply"),
@@ -728,3 +727,15 @@ def test_a_new_kind_needs_only_its_spec_class_and_the_registry(monkeypatch):
     assert (_kind_info("wide_transcoder").title, _kind_info("wide_transcoder").unit) == ("wide transcoder", "latent")
     with pytest.raises(RecipeError, match=r"layer\.init='split': .* implemented for moe_x, not 'wide_transcoder'"):
         recipe_from_dict(minimal(layer={"kind": "wide_transcoder", "num_latents": 8, "k": 4, "init": "split"}))
+
+
+@pytest.mark.parametrize("kind", ["transcoder", "clt", "jumprelu_transcoder", "mxd", "skip_transcoder"])
+def test_a_kind_without_a_size_defaults_to_the_8x_transcoders(kind):
+    """`layer: {kind: clt}` (or `--set layer.kind=transcoder` on a recipe without a size) trains at the documented
+    default size instead of stopping (issue 50): the same layer as `match_transcoder: 8` spelled out."""
+    given = recipe_from_dict(minimal(layer={"kind": kind}, layers=[1])).layer
+    spelled = recipe_from_dict(minimal(layer={"kind": kind, "match_transcoder": 8}, layers=[1])).layer
+    assert given.match_transcoder == DEFAULT_MATCH_TRANSCODER == 8
+    assert resolve_layer_spec(given, GPT2_SHAPE) == resolve_layer_spec(spelled, GPT2_SHAPE)
+    if kind != "mxd":
+        assert resolve_layer_spec(given, GPT2_SHAPE).num_latents == 8 * GPT2_SHAPE.d_model

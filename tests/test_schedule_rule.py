@@ -8,13 +8,19 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from expertize.conversion.cli import main as cli_main
 from expertize.conversion.recipe import HealConfig, TrainConfig, load_recipe, recipe_from_dict, recipe_to_dict
 from expertize.conversion.recipe.lr_rule import rule_lr
 from expertize.conversion.recipe.schedule_rule import (
-    HEAL_MIN_LR_RATIO, HEAL_SCHEDULE, HEAL_WARMUP_FRACTION, MIN_LR_RATIO, SCHEDULE, WARMUP_FRACTION, rule_warmup,
+    HEAL_MIN_LR_RATIO,
+    HEAL_SCHEDULE,
+    HEAL_WARMUP_FRACTION,
+    MIN_LR_RATIO,
+    SCHEDULE,
+    WARMUP_FRACTION,
+    rule_warmup,
 )
+from expertize.conversion.training.distill_plan import recipe_schedule
 from expertize.conversion.training.engine import OptimConfig, lr_lambda
 from expertize.conversion.upcycle import upcycle
 
@@ -171,7 +177,7 @@ def test_a_recipe_made_under_the_former_defaults_still_loads():
             "data": {"source": "hub", "name": "x", "train_tokens": 200_000},
             "train": {"warmup_steps": 5000, "schedule": "constant", "min_lr_ratio": 0.0}, "output_dir": "runs/x"}
     recipe = recipe_from_dict(tree)
-    assert recipe.distill_steps() == 48 and recipe.distill_schedule().warmup_steps == 5000
+    assert recipe.distill_steps() == 48 and recipe_schedule(recipe).warmup_steps == 5000
 
 
 # -- the paper recipes keep the papers' settings ---------------------------------------------------------------------
@@ -185,7 +191,7 @@ def test_the_paper_recipes_write_the_papers_schedule_out(path):
         "lr": 1e-4, "warmup_steps": 5000, "schedule": "constant", "min_lr_ratio": 0.0}, "set explicitly, not defaults"
     assert "it assumes the paper's budget" in text
     recipe = load_recipe(path)
-    schedule = recipe.distill_schedule()
+    schedule = recipe_schedule(recipe)
     assert (schedule.lr, schedule.warmup_steps, schedule.schedule, schedule.min_lr_ratio) == (
         1e-4, 5000, "constant", 0.0)
     assert recipe.distill_steps() > 100_000 and recipe.check_warmups() is None  # the paper's budget: ~117k steps

@@ -17,7 +17,9 @@
    must every other bundle file (the shared sparse_*.py files): transformers 4.x copies only an entry file's direct
    relative imports (CONTRIBUTING.md).
 3. Small modules. No .py file under modeling/ or conversion/ is longer than `MAX_LINES` lines, except those in
-   `LONG_FILES`, each with the reason it is not split.
+   `LONG_FILES`, each with the reason it is not split and a ceiling it may not grow past.
+4. The map. CONTRIBUTING.md's layout names every module of modeling/ and conversion/ once, in its folder's entry,
+   and names no module that does not exist.
 
 Each rule is also run on a deliberately broken copy of the tree (or a registry with the toy kind in it), where it
 must fail naming the file and line, so that neither can pass by reading nothing.
@@ -381,17 +383,20 @@ def test_a_bundle_file_missing_from_an_entry_file_is_named(tmp_path):
 # -- rule 3: small modules --------------------------------------------------------------------------------------------
 
 MAX_LINES = 500
-LONG_FILES: dict[str, str] = {
+LONG_FILES: dict[str, tuple[int, str]] = {
+    # path -> (its ceiling in lines, why it is not split). The ceiling is the length it had when allowed (issue 49:
+    # modeling_expertize.py grew 529 -> 584 lines under an allowance without one); raising it is a decision a
+    # reviewer sees in this diff.
     # A kind lives in one file (CONTRIBUTING.md: "one file per layer kind"; rule 1 gives it its own room): splitting a
     # kind's spec from its layer is a layout decision of its own, not a split by concern within the rules.
-    "modeling/moe_x.py": "one layer kind: spec, router, grouped expert kernels and the layer",
-    "modeling/monet.py": "one layer kind: spec, product-key routing and the layer (HD and VD)",
+    "modeling/moe_x.py": (600, "one layer kind: spec, router, grouped expert kernels and the layer"),
+    "modeling/monet.py": (520, "one layer kind: spec, product-key routing and the layer (HD and VD)"),
     # The entry file: every family's model classes and the remote-code imports (rule 2); the family code is another
     # room's, whose split is its own work.
-    "modeling/modeling_expertize.py": "the bundle's entry file (every family's model classes)",
+    "modeling/modeling_expertize.py": (590, "the bundle's entry file (every family's model classes)"),
 }
-"""Files over `MAX_LINES` lines -> why each is not split. The rule fails when one of them is no longer too long, so
-the list cannot outlive its reason."""
+"""Files over `MAX_LINES` lines -> (the most lines each may have, why it is not split). The rule fails when one of
+them is no longer too long, so the list cannot outlive its reason, and when one grows past its ceiling."""
 
 
 def long_files(root: Path) -> dict[str, int]:
@@ -415,6 +420,13 @@ def test_no_module_is_longer_than_the_limit():
     )
 
 
+def test_no_allowed_long_file_grows_past_its_ceiling():
+    grown = {path: (lines, LONG_FILES[path][0]) for path, lines in long_files(REPO).items()
+             if path in LONG_FILES and lines > LONG_FILES[path][0]}
+    assert not grown, "allowed long files past their ceiling (split them, or raise the ceiling in LONG_FILES and say " \
+        "why): " + ", ".join(f"{path} ({lines} lines, ceiling {ceiling})" for path, (lines, ceiling) in grown.items())
+
+
 def test_every_long_file_allowed_is_still_long():
     """A LONG_FILES entry whose file was split (or removed) must leave the list."""
     stale = sorted(set(LONG_FILES) - set(long_files(REPO)))
@@ -431,3 +443,61 @@ def test_a_too_long_file_in_a_broken_copy_is_named(tmp_path):
     _append(grown, "# padding\n" * (MAX_LINES + 1 - lines))
     assert set(long_files(root)) - set(long_files(REPO)) == {"modeling/sparse_kernels.py"}
     assert long_files(root)["modeling/sparse_kernels.py"] == MAX_LINES + 1
+
+
+# -- the map: CONTRIBUTING.md's layout names every module once ----------------------------------------------------------
+
+def layout_sections(text: str) -> dict[str, list[str]]:
+    """CONTRIBUTING.md's layout block: folder ("modeling", "conversion", "conversion/data", ...) -> the module file
+    names its lines mention, in order. A name written with a folder in front (`data/cache.py`) is a cross-reference
+    to another folder's entry and is not counted."""
+    block = text.split("## Layout", 1)[1].split("```")[1]
+    sections: dict[str, list[str]] = {}
+    top = current = ""
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        indent, first = len(line) - len(line.lstrip()), line.split()[0]
+        if indent == 0:
+            top = current = first.rstrip("/,")
+        elif indent == 2:
+            current = f"{top}/{first.rstrip('/')}" if first.endswith("/") else top
+        sections.setdefault(current, []).extend(re.findall(r"(?<![/\w])(\w+\.py)\b", line))
+    return sections
+
+
+def layout_problems(root: Path) -> list[str]:
+    """Modules under modeling/ and conversion/ that the layout names never or twice in their folder's entry, and
+    names there that are no module of that folder."""
+    sections = layout_sections((root / "CONTRIBUTING.md").read_text(encoding="utf-8"))
+    modules: dict[str, list[str]] = {}
+    for folder in ("modeling", "conversion"):
+        for file in sorted((root / folder).rglob("*.py")):
+            if "__pycache__" in file.parts or file.name == "__init__.py":
+                continue
+            parts = file.relative_to(root).parts
+            modules.setdefault("/".join(parts[:2]) if len(parts) > 2 else parts[0], []).append(file.name)
+    problems = []
+    for section, names in sorted(modules.items()):
+        named = sections.get(section, [])
+        problems += [f"{section}/{n}: not in CONTRIBUTING.md's layout" for n in names if n not in named]
+        problems += [f"{section}/{n}: named {named.count(n)} times in its layout entry" for n in sorted(set(named))
+                     if named.count(n) > 1]
+        problems += [f"{section}/{n}: in CONTRIBUTING.md's layout but no such module" for n in sorted(set(named))
+                     if n not in names]
+    return problems
+
+
+def test_the_layout_names_every_module_once():
+    problems = layout_problems(REPO)
+    assert not problems, "CONTRIBUTING.md's layout disagrees with the tree:\n  " + "\n  ".join(problems)
+
+
+def test_a_module_missing_from_the_layout_is_named(tmp_path):
+    root = _copy_tree(tmp_path)
+    shutil.copy(REPO / "CONTRIBUTING.md", root / "CONTRIBUTING.md")
+    assert layout_problems(root) == []  # the copy is faithful
+    (root / "conversion" / "training" / "new_rule.py").write_text("x = 1\n", encoding="utf-8")
+    (root / "conversion" / "data" / "token_cache.py").unlink()
+    assert layout_problems(root) == ["conversion/data/token_cache.py: in CONTRIBUTING.md's layout but no such module",
+                                     "conversion/training/new_rule.py: not in CONTRIBUTING.md's layout"]

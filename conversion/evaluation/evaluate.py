@@ -32,7 +32,8 @@ from .health import InEffect, code_health
 from ..training.losses import kl_base_to_other, next_token_ce
 from .metrics import ReconstructionStats
 from .plots import plot_firing_frequency, plot_match_curve
-from ..recipe import EvalConfig, TrainConfig
+from ..recipe import EvalConfig
+from ..training.distill_plan import DistillPlan
 
 __all__ = ["evaluate_sparse_layers", "generation_match_curve", "plot_firing_frequency", "plot_match_curve", "spliced_ce"]
 
@@ -230,7 +231,7 @@ def evaluate_sparse_layers(
     exclude_token_ids: Collection[int] = (),
     ablation_memo: AblationMemo | None = None,
     raised_units: Mapping[int, torch.Tensor] | None = None,
-    train: TrainConfig | None = None,
+    plan: DistillPlan | None = None,
 ) -> dict:
     """Reconstruction, CE and generation faithfulness of `layers` spliced into the base causal LM `model`.
 
@@ -238,8 +239,8 @@ def evaluate_sparse_layers(
     raised_units: {layer: (S,) bool} the units whose selection bias the training's balancing raised; the report then
     counts how many of them fire on the held-out tokens (`raised_firing`, code_probe.py).
 
-    train: the recipe's `train:` section the layers were trained with; the code-health warnings then leave out the
-    fixes it already used (health.InEffect). None: the general advice.
+    plan: the distillation plan the layers were trained under (what was in effect); the code-health warnings then
+    leave out the fixes it already used (health.InEffect). None: the general advice.
 
     exclude_token_ids: positions holding one of these tokens (`data.mlp_pairs.excluded_token_ids`: the special tokens)
     are left out of the reconstruction metrics (NMSE, FVU, MSE, L0, dead units, firing histogram); CE, KL and the
@@ -274,7 +275,7 @@ def evaluate_sparse_layers(
     others = () if spliced_model is None else (spliced_model,)
     with _eval_mode(model, *others, *layers.values()):
         stats = {i: ReconstructionStats() for i in indices}
-        in_effect = {i: None if train is None else InEffect.of(train, layers[i]) for i in indices}
+        in_effect = {i: None if plan is None else InEffect.of(plan, layers[i]) for i in indices}
         firing = {i: _UnitFiring(layers[i], in_effect[i]) for i in indices}
         probes = {i: CodeProbe(layers[i]) for i in indices}
         ce = _CeSums()

@@ -46,18 +46,15 @@ class InEffect:
     """Whether the kind can resample dead units (`supports_resampling`); False: no resampling advice."""
 
     @classmethod
-    def of(cls, train, layer) -> "InEffect":
-        """From the recipe's `train:` section and the trained layer, whose selection bias exists only when a rule
-        moved it (`train.balance` other than none, for a kind that has one)."""
-        from ..recipe.layer_config import has_selection_bias
-
-        can_resample = bool(getattr(layer, "supports_resampling", False))
+    def of(cls, plan, layer) -> "InEffect":
+        """From the run's distillation plan (training/distill_plan.py: what was in effect, every rule applied) and
+        the trained layer's kind, which declares whether it has a selection bias and can resample."""
         return cls(
-            balance=train.balance if getattr(layer, "b_select", None) is not None else "none",
-            balance_floor=train.balance_floor,
-            resampling=bool(train.resample_every_tokens) and can_resample,
-            can_balance=has_selection_bias(layer.spec.kind),
-            can_resample=can_resample,
+            balance=plan.balance_rule,
+            balance_floor=plan.balance_floor,
+            resampling=plan.resample_every_tokens > 0,
+            can_balance=layer.spec.has_selection_bias(),
+            can_resample=bool(getattr(layer, "supports_resampling", False)),
         )
 
 

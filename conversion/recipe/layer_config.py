@@ -14,7 +14,7 @@ from expertize.modeling.sparse_layers import DEFAULT_KIND, LAYER_KINDS
 
 from .coerce import check_field_types, did_you_mean, field_default
 
-__all__ = ["LayerConfig", "has_selection_bias", "spec_class", "spec_field_names"]
+__all__ = ["DEFAULT_MATCH_TRANSCODER", "LayerConfig", "has_selection_bias", "spec_class", "spec_field_names"]
 
 
 # Recipe fields that map onto sparse spec fields of the same name (when the spec has them); `options` may not repeat
@@ -32,10 +32,15 @@ def spec_field_names(kind: str) -> set[str]:
 
 
 def has_selection_bias(kind: str) -> bool:
-    """Whether `kind` chooses a top K by a score that `train.balance` can bias (its spec has `selection_bias`); the
-    other kinds train unbalanced whatever the recipe asks."""
-    return "selection_bias" in spec_field_names(kind)
+    """Whether `kind` chooses a top K by a score that `train.balance` can bias (its spec declares it:
+    `SparseSpec.has_selection_bias`); the other kinds train unbalanced whatever the recipe asks."""
+    return spec_class(kind).has_selection_bias()
 
+
+DEFAULT_MATCH_TRANSCODER = 8.0
+"""The size of a layer whose recipe gives neither its unit count nor layer.match_transcoder: the parameters of a
+transcoder with 8 latents per input dimension (8 x d_in), the size every kind is compared at in docs/results/
+(sparsify's default expansion factor is 32; SAELens's examples use 4-32)."""
 
 ONE_KIND_PER_RECIPE = dict(mismatch_hint=(
     "; one recipe puts one sparse layer (its layer: section) at every index of layers; to mix kinds, convert in "
@@ -59,16 +64,17 @@ class LayerConfig:
     layer.num_experts=256`, μMoE also needing its expert count)."""
 
     num_experts: int | None = None
-    """N, the number of experts (every kind except transcoders). Give it or `match_transcoder`, not both, unless
-    the kind's parameter matching picks another field (μMoE: the rank)."""
+    """N, the number of experts (every kind except transcoders). Give it or `match_transcoder`, not both (neither:
+    `match_transcoder` 8), unless the kind's parameter matching picks another field (μMoE: the rank)."""
 
     num_latents: int | None = None
-    """transcoders: L, the dictionary size. Give it or `match_transcoder`, not both."""
+    """transcoders: L, the dictionary size. Give it or `match_transcoder`, not both (neither: `match_transcoder`
+    8)."""
 
     match_transcoder: float | None = None
-    """Size the layer like a transcoder of `match_transcoder * d_in` latents: transcoders get exactly that many;
-    mxd gets the N that matches that transcoder's parameter count (see `match_convention`); other kinds get the
-    largest N (or the field their spec names as `match_field`, e.g. μMoE's rank) within that parameter count."""
+    """Size the layer like a transcoder of `match_transcoder * d_in` latents (default 8 when the unit count is not
+    given either: DEFAULT_MATCH_TRANSCODER): transcoders get exactly that many; mxd gets the N that matches that
+    transcoder's parameter count (see `match_convention`); other kinds get the largest N (or the field their spec names as `match_field`, e.g. μMoE's rank) within that parameter count."""
 
     match_convention: Literal["exact", "paper"] = "exact"
     """mxd parameter matching: "exact" (largest N within the transcoder's parameter count) or "paper" (reproduces
@@ -173,18 +179,22 @@ class LayerConfig:
                 f"of layer.kind={self.kind!r}, not its {spec_cls.unit_name} count")
 
     def _check_size(self) -> None:
-        """Exactly one of the explicit unit count and match_transcoder, unless matching sizes another field."""
+        """Exactly one of the explicit unit count and match_transcoder, unless matching sizes another field; neither
+        given: match_transcoder defaults to DEFAULT_MATCH_TRANSCODER (a kind switch from the command line, or
+        `layer: {kind: clt}`, trains at a documented size instead of stopping)."""
         spec_cls = spec_class(self.kind)
         units, match_field = spec_cls.units_field, spec_cls.size_field()
         if units not in spec_field_names(self.kind):
             raise ValueError(f"layer.kind={self.kind!r}: its spec has no field {units!r} (its units_field)")
         explicit = getattr(self, units)
+        if match_field == units and explicit is None and self.match_transcoder is None:
+            self.match_transcoder = DEFAULT_MATCH_TRANSCODER
         if match_field == units:
-            if (explicit is None) == (self.match_transcoder is None):
-                state = "both are set" if explicit is not None else "neither is set"
+            if explicit is not None and self.match_transcoder is not None:
                 raise ValueError(
-                    f"layer: give exactly one of layer.{units} (explicit size) and layer.match_transcoder (size "
-                    f"matched to a transcoder of that expansion factor) for layer.kind={self.kind!r}; {state}"
+                    f"layer: give at most one of layer.{units} (explicit size) and layer.match_transcoder (size "
+                    f"matched to a transcoder of that expansion factor) for layer.kind={self.kind!r}; both are set "
+                    f"(--set layer.match_transcoder=null keeps the {units})"
                 )
         else:
             # e.g. μMoE: the expert count is a free choice and parameter matching picks the rank.

@@ -185,10 +185,6 @@ class TrainConfig:
         and `warmup_steps`, or the rules' values where they are "auto" (recipe/schedule_rule.py)."""
         return resolve_schedule(self, total_steps, lr_factor=factor, warmup_fraction=WARMUP_FRACTION)
 
-    def resolved_lr(self, total_steps: int, factor: float = 1.0) -> float:
-        """The peak learning rate of a distillation of `total_steps` steps (`resolved(...).lr`)."""
-        return self.resolved(total_steps, factor).lr
-
     def __post_init__(self) -> None:
         check_field_types(self, "train")
         if self.lr != "auto" and not self.lr > 0:
@@ -376,17 +372,6 @@ class Recipe:
         """Optimizer steps of the layer-wise distillation: data.train_tokens // train.tokens_per_step (0 with
         train.distill: false). Preflight refuses a distilling recipe whose budget is less than one step."""
         return self.data.train_tokens // self.train.tokens_per_step if self.train.distill else 0
-
-    def distill_schedule(self) -> ResolvedSchedule:
-        """The distillation's schedule: train.lr and train.warmup_steps, or what `auto` gives this recipe's kind and
-        steps (recipe/schedule_rule.py), with the rules' values."""
-        from expertize.modeling import LAYER_KINDS
-
-        return self.train.resolved(self.distill_steps(), LAYER_KINDS[self.layer.kind][0].auto_lr_factor)
-
-    def distill_lr(self) -> float:
-        """The distillation's peak learning rate: train.lr, or what `auto` gives this recipe's kind and steps."""
-        return self.distill_schedule().lr
 
     def heal_steps(self) -> int:
         """Optimizer steps of the healing: the heal.tokens budget in sequences of data.context_length,

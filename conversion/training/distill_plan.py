@@ -17,7 +17,7 @@ from .auxk import auto_k_aux, dead_window_tokens, supports_auxk
 from .balance import balanced
 from .resample import UNTIL_FRACTION, auto_every_tokens, supports_resampling
 
-__all__ = ["DistillPlan", "plan_distillation"]
+__all__ = ["DistillPlan", "plan_distillation", "recipe_schedule"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,10 @@ class DistillPlan:
     """Dead units AuxK reconstructs the error with, per token; None: AuxK off (auxk_coef 0, or the kind has none)."""
     balance: bool
     """The selection bias is balanced (train.balance is not none and the kind has a selection bias)."""
+    balance_rule: str
+    """The train.balance rule in effect: "floor" or "bias" when `balance`, else "none"."""
+    balance_floor: float
+    """train.balance_floor (what the "floor" rule holds each unit's firing share to)."""
     resample_every_tokens: int
     """Tokens between resamplings of dead units; 0: off (the setting, or the kind cannot resample)."""
     resample_until_tokens: int
@@ -54,13 +58,16 @@ def plan_distillation(cfg: TrainConfig, layer: SparseLayer, steps: int) -> Disti
         window = cfg.dead_window_tokens
     auxk = cfg.auxk_coef > 0 and supports_auxk(layer)
     resample = bool(cfg.resample_every_tokens) and supports_resampling(layer)
+    balance = cfg.balance != "none" and balanced(layer)
     return DistillPlan(
         steps=steps,
         tokens_per_step=per_step,
         schedule=cfg.resolved(steps, layer.spec.auto_lr_factor),
         dead_window_tokens=window,
         k_aux=(auto_k_aux(layer.spec.d_out) if cfg.auxk_k == "auto" else cfg.auxk_k) if auxk else None,
-        balance=cfg.balance != "none" and balanced(layer),
+        balance=balance,
+        balance_rule=cfg.balance if balance else "none",
+        balance_floor=cfg.balance_floor,
         resample_every_tokens=(
             (auto_every_tokens(layer.num_units, k, per_step) if cfg.resample_every_tokens == "auto"
              else cfg.resample_every_tokens) if resample else 0
@@ -68,3 +75,11 @@ def plan_distillation(cfg: TrainConfig, layer: SparseLayer, steps: int) -> Disti
         resample_until_tokens=int(UNTIL_FRACTION * steps * per_step),
         code_share_floor=cfg.code_share_floor > 0,
     )
+
+
+def recipe_schedule(recipe) -> ResolvedSchedule:
+    """The schedule `plan_distillation` gives `recipe`'s layers, for a caller that builds none (a benchmark stating
+    the rate a run will use): the same `TrainConfig.resolved`, with the factor the kind's spec declares."""
+    from ..recipe.layer_config import spec_class
+
+    return recipe.train.resolved(recipe.distill_steps(), spec_class(recipe.layer.kind).auto_lr_factor)

@@ -1,0 +1,379 @@
+"""Which kind for a real model? Every kind at equal parameters, three depths, budgets 4x apart (issue 48).
+
+The toy models' verdicts (docs/results/code_share.md) rest on d_model 64-128 and <= 327k tokens; this benchmark asks
+the same question of any local model folder: per depth, per budget, per kind, how faithful is the layer (KL, ΔCE,
+FVU), how much of it does its code carry (code share), how sparse and how alive is it (L0, dead) — each paired with
+the TopK transcoder trained on the same tokens in the same order.
+
+Protocol:
+- ONE activation cache (`expertize capture`'s format) of the largest budget at every target layer, captured once:
+  only the blocks up to the deepest layer run; every run reads a prefix of its stream.
+- Per (budget, seed, layer): ONE `expertize upcycle` of that layer whose `variants:` are the kinds below, trained
+  together on one read of the cache (tests/test_variants.py: each gets the weights it would get alone). The seed
+  changes the initialization and the stream's order; the held-out split is the same for every run.
+- Kinds (KINDS) at the 8x TopK transcoder's parameter count (`match_transcoder: 8`), K = 32 (the JumpReLU's target
+  L0 32): transcoder, skip_transcoder, jumprelu_transcoder, mxd (expertize's default, H = W/2), mxd-paper (H = W,
+  the paper's), moe_x (the all-kinds benchmark's settings). lr auto, warm-up a tenth of the steps, cosine to 0.1.
+- Columns: mean over seeds ± the 95 % Student-t half-width; "KL / transcoder" the per-seed ratio to the transcoder of
+  the same run (paired), mean [95 % interval]. The trend: per (layer, kind), a least-squares line of log(KL ratio)
+  against log4(budget) over every seed's point, its slope per 4x with a 95 % interval; where the slope's interval
+  excludes 0 the budget at which the line would cross a ratio of 1 is given, marked as an extrapolation.
+- Time: the capture's seconds (cache-dir/capture.json) and each run's training seconds (its train_log, all kinds
+  together) and wall seconds.
+
+Run (SmolLM2-135M-Instruct: ../shared/tools/get_smollm2.py DIR; five domains: ../shared/tools/domain_corpora.py DIR):
+    python benchmarks/real_model.py --model SMOLLM2_DIR --corpus DOMAINS_DIR --layers 5,15,25 \
+        --budgets 65536,262144,1048576 --seeds 0,1,2 --top-seeds 2 --cache-dir CACHE --runs-dir RUNS \
+        --lock /tmp/expertize-cpu.lock
+    python benchmarks/real_model.py --from-rows RUNS/rows.json --out table.md --plot docs/results/real_model.png
+  Any local model folder and JSON-lines / text corpus works (`--corpus` a folder of *.jsonl or files, comma-separated).
+  `--lock FILE` takes an exclusive lock on FILE for the capture and for each run only, so other jobs sharing the
+  machine's cores run between runs and no timing is taken while another holds the cores. Finished runs are reused
+  (the same recipe), so an interrupted benchmark resumes where it stopped.
+"""
+
+import argparse
+import contextlib
+import fcntl
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from _runs import load_rows, run_variants
+from code_share import _cell
+from specialization_claims import T_975, seed_interval
+
+K = 32
+MATCH_TRANSCODER = 8
+KINDS = {
+    # name -> the variant's layer section besides k / match_transcoder; "d_hidden": "W" = the MLP's own width
+    "transcoder": {"kind": "transcoder"},
+    "skip_transcoder": {"kind": "skip_transcoder"},
+    "jumprelu_transcoder": {"kind": "jumprelu_transcoder"},
+    "mxd": {"kind": "mxd"},
+    "mxd-paper": {"kind": "mxd", "d_hidden": "W"},
+    "moe_x": {"kind": "moe_x", "k": 2, "options": {"d_expert": 64}},
+}
+TRAIN = {"schedule": "cosine", "min_lr_ratio": 0.1, "tokens_per_step": 1024, "loss": "nmse", "precision": "fp32",
+         "grad_clip": 1.0, "checkpoint_every": 0, "log_every": 20, "device": "cpu", "capture_batch_sequences": 16,
+         "shuffle_buffer_tokens": 65_536}
+EVAL = {"batch_sequences": 8, "generation_prompts": 0, "histogram": False}
+CONTEXT, EVAL_TOKENS, EVAL_FRACTION = 128, 8_192, 0.05
+
+
+def corpus_paths(spec: str) -> tuple[str, list[str]]:
+    """(data.source, paths) of `--corpus`: a folder of *.jsonl files, or comma-separated files of one format."""
+    path = Path(spec)
+    files = sorted(str(p) for p in path.glob("*.jsonl")) if path.is_dir() else spec.split(",")
+    if not files or not all(Path(f).is_file() for f in files):
+        raise SystemExit(f"--corpus {spec}: no *.jsonl files in that folder, or a listed file does not exist")
+    return ("jsonl" if all(f.endswith(".jsonl") for f in files) else "text"), files
+
+
+def mlp_width(model: str) -> int:
+    """The dense MLP's hidden width W (Llama / NeoX intermediate_size, GPT-2 n_inner or 4 n_embd)."""
+    config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+    for key in ("intermediate_size", "n_inner", "ffn_dim"):
+        if config.get(key):
+            return int(config[key])
+    return 4 * int(config.get("n_embd") or config["hidden_size"])
+
+
+def base_tree(args, layers: list[int], tokens: int, seed: int) -> dict:
+    source, paths = corpus_paths(args.corpus)
+    steps = max(1, tokens // TRAIN["tokens_per_step"])
+    return {
+        "base_model": args.model, "dtype": "float32", "layers": layers,
+        "layer": {"kind": "transcoder", "k": K, "match_transcoder": MATCH_TRANSCODER},
+        "data": {"source": source, "paths": paths, "context_length": CONTEXT, "train_tokens": tokens,
+                 "eval_tokens": EVAL_TOKENS, "eval_fraction": EVAL_FRACTION,
+                 **({"document_separator": args.separator} if source == "text" else {})},
+        "train": {**TRAIN, "seed": seed, "warmup_steps": max(1, steps // 10)},
+        "eval": EVAL,
+    }
+
+
+@contextlib.contextmanager
+def cores(lock: str | None):
+    """Hold `lock` (an exclusive flock) for the duration, when given."""
+    if not lock:
+        yield
+        return
+    with open(lock, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def ensure_cache(args, layers: list[int], tokens: int) -> Path:
+    """The activation cache of `tokens` training tokens at every layer in `layers` (captured once; the capture's
+    seconds go to cache-dir/capture.json)."""
+    from expertize.conversion.capture import capture_activations
+    from expertize.conversion.recipe import recipe_from_dict
+
+    root = Path(args.cache_dir)
+    folder = root / f"{Path(args.model).name}-l{'-'.join(map(str, layers))}-{tokens}"
+    if folder.exists():
+        return folder
+    tree = dict(base_tree(args, layers, tokens, 0), output_dir=str(root / "unused"))
+    print(f"  capturing layers {layers} of {args.model}, {tokens:,} tokens, into {folder} ...", flush=True)
+    with cores(args.lock):
+        start = time.perf_counter()
+        capture_activations(recipe_from_dict(tree, source="benchmarks/real_model.py"), folder)
+        seconds = time.perf_counter() - start
+    record = root / "capture.json"
+    saved = json.loads(record.read_text(encoding="utf-8")) if record.exists() else {}
+    saved[folder.name] = {"seconds": round(seconds, 1), "tokens": tokens, "layers": layers}
+    record.write_text(json.dumps(saved, indent=1), encoding="utf-8")
+    return folder
+
+
+def run_tree(args, cache: Path, layer: int, tokens: int, seed: int) -> tuple[dict, list[dict]]:
+    tree = base_tree(args, [layer], tokens, seed)
+    tree["data"]["activation_cache"] = str(cache)
+    tree["output_dir"] = str(Path(args.runs_dir) / f"l{layer}-b{tokens}-s{seed}")
+    width, variants, settings = mlp_width(args.model), [], []
+    for name in args.kinds.split(","):
+        layer_section = {"k": K, "match_transcoder": MATCH_TRANSCODER, **KINDS[name]}
+        if layer_section.get("d_hidden") == "W":
+            layer_section["d_hidden"] = width
+        variants.append({"name": name, "layer": layer_section})
+        settings.append({"model": Path(args.model).name, "layer": layer, "budget": tokens, "seed": seed,
+                         "variant": name, "kind": layer_section["kind"]})
+    tree["variants"] = variants
+    return tree, settings
+
+
+def train_seconds(folder: Path) -> float | None:
+    """The training loop's seconds from the run's train_log (its last record)."""
+    log = folder / "train_log.jsonl"
+    if not log.exists():
+        return None
+    lines = log.read_text(encoding="utf-8").strip().splitlines()
+    return json.loads(lines[-1]).get("seconds") if lines else None
+
+
+def collect(metrics_of: dict, settings: list[dict], root: Path, seconds: float | None) -> list[dict]:
+    rows = []
+    for s in settings:
+        metrics = metrics_of[s["variant"]]
+        (m,) = metrics["layers"].values()
+        rows.append({**s, "units": m["num_units"], "dead": m["dead_fraction"], "fvu": m["fvu"], "l0": m["l0"],
+                     "share": m.get("code_share"), "kl": metrics["ce"]["kl_base_spliced"],
+                     "delta_ce": metrics["ce"]["delta"], "lr": metrics.get("train", {}).get("lr"),
+                     "train_s": train_seconds(root / s["variant"]), "run_s": seconds})
+    return rows
+
+
+# ---- tables ----------------------------------------------------------------------------------------------------
+
+def groups_of(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """(model, layer, budget, variant) -> rows (one per seed), in KINDS order."""
+    order = {name: i for i, name in enumerate(KINDS)}
+    out: dict[tuple, list[dict]] = {}
+    for r in sorted(rows, key=lambda r: (r["model"], r["layer"], r["budget"], order.get(r["variant"], 99), r["seed"])):
+        out.setdefault((r["model"], r["layer"], r["budget"], r["variant"]), []).append(r)
+    return out
+
+
+def per_seed_ratios(rows: list[dict], groups: dict, key: tuple, metric: str = "kl") -> list[tuple[int, float]]:
+    """[(seed, this variant's metric / the transcoder's of the same run)]."""
+    base = {r["seed"]: r[metric] for r in groups.get(key[:3] + ("transcoder",), [])}
+    return [(r["seed"], r[metric] / base[r["seed"]]) for r in groups[key] if base.get(r["seed"])]
+
+
+def _ratio_text(values: list[float]) -> str:
+    if not values:
+        return ""
+    mean, low, high = seed_interval(values)
+    return f"{mean:.2f}" if not math.isfinite(low) else f"{mean:.2f} [{low:.2f}, {high:.2f}]"
+
+
+def table(rows: list[dict]) -> str:
+    groups = groups_of(rows)
+    lines = ["| model | layer | tokens | kind | units | seeds | KL | KL / transcoder | ΔCE | FVU | code share | L0 | "
+             "dead % | train s (run) |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for key, rs in groups.items():
+        model, layer, budget, variant = key
+        ratios = [v for _, v in per_seed_ratios(rows, groups, key)] if variant != "transcoder" else []
+        lines.append(
+            f"| {model} | {layer} | {budget:,} | {variant} | {rs[0]['units']:,} | {len(rs)} | "
+            f"{_cell([r['kl'] for r in rs], '.4f')} | {_ratio_text(ratios)} | "
+            f"{_cell([r['delta_ce'] for r in rs], '+.4f')} | "
+            f"{_cell([r['fvu'] for r in rs], '.3f')} | {_cell([r['share'] for r in rs], '.2f')} | "
+            f"{_cell([r['l0'] for r in rs], '.1f')} | {_cell([r['dead'] for r in rs], '.1f', 100)} | "
+            f"{_cell([r['train_s'] for r in rs], '.0f')} |")
+    return "\n".join(lines)
+
+
+def trend(rows: list[dict]) -> str:
+    """Per (model, layer, kind): log(KL ratio) against log4(budget), least squares over every seed's point."""
+    groups = groups_of(rows)
+    points: dict[tuple, list[tuple[float, float]]] = {}
+    for key in groups:
+        if key[3] == "transcoder":
+            continue
+        for _, ratio in per_seed_ratios(rows, groups, key):
+            points.setdefault((key[0], key[1], key[3]), []).append((math.log(key[2], 4), math.log(ratio)))
+    lines = ["| model | layer | kind | budgets | points | KL ratio change per 4x tokens [95 %] | "
+             "crosses 1 at (extrapolated) |",
+             "|---|---:|---|---:|---:|---:|---|"]
+    for (model, layer, variant), pts in points.items():
+        budgets = len({x for x, _ in pts})
+        if budgets < 2 or len(pts) < 3:
+            continue
+        slope, intercept, half = _fit(pts)
+        change = f"{math.exp(slope):.3f}x [{math.exp(slope - half):.3f}, {math.exp(slope + half):.3f}]"
+        crossing = "slope's interval holds 0: no trend to extrapolate"
+        if slope - half > 0 or slope + half < 0:
+            at = 4 ** (-intercept / slope)
+            mean_now = statistics.fmean(math.exp(y) for x, y in pts if x == max(x for x, _ in pts))
+            if (mean_now > 1) == (slope < 0):
+                crossing = f"~{at:,.0f} tokens (the line's point estimate)"
+            else:
+                crossing = "moving away from 1"
+        lines.append(f"| {model} | {layer} | {variant} | {budgets} | {len(pts)} | {change} | {crossing} |")
+    return "\n".join(lines)
+
+
+def _fit(pts: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """(slope, intercept, the slope's 95 % half-width) of the least-squares line."""
+    n = len(pts)
+    mx, my = statistics.fmean(x for x, _ in pts), statistics.fmean(y for _, y in pts)
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
+    intercept = my - slope * mx
+    residual = sum((y - intercept - slope * x) ** 2 for x, y in pts) / max(n - 2, 1)
+    return slope, intercept, T_975.get(n - 2, 1.96) * math.sqrt(residual / sxx)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """One panel per (model, layer): each kind's KL / transcoder against budget (log axes), seeds' mean and range."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = groups_of(rows)
+    panels = sorted({key[:2] for key in groups})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for i, variant in enumerate(v for v in KINDS if v != "transcoder"):
+            xs, means, lows, highs = [], [], [], []
+            for key in sorted(k for k in groups if k[:2] == panel and k[3] == variant):
+                ratios = [v for _, v in per_seed_ratios(rows, groups, key)]
+                if ratios:
+                    xs.append(key[2])
+                    means.append(statistics.fmean(ratios))
+                    lows.append(min(ratios))
+                    highs.append(max(ratios))
+            if xs:
+                ax.plot(xs, means, marker="o", color=f"C{i}", label=variant)
+                ax.fill_between(xs, lows, highs, color=f"C{i}", alpha=0.15)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("training tokens")
+        ax.set_ylabel("KL / TopK transcoder's (same tokens)")
+        ax.set_title(f"{panel[0]}, layer {panel[1]}", fontsize=9)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+# ---- driver ----------------------------------------------------------------------------------------------------
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=os.environ.get("SMOLLM2"), help="a local model folder (default $SMOLLM2)")
+    p.add_argument("--corpus", default=os.environ.get("DOMAINS"),
+                   help="a folder of *.jsonl files or comma-separated files (default $DOMAINS)")
+    p.add_argument("--separator", default="line", help="a text corpus's document separator (line, blank_line)")
+    p.add_argument("--layers", default="5,15,25")
+    p.add_argument("--budgets", default="65536,262144,1048576", help="training tokens per layer, ascending")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--top-seeds", type=int, default=2, help="seeds at the largest budget (the first of --seeds)")
+    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--runs-dir", default=None)
+    p.add_argument("--lock", default=None, help="an exclusive flock held during the capture and each run only")
+    p.add_argument("--from-rows", default=None, help="re-tabulate rows.json files (comma-separated); trains nothing")
+    p.add_argument("--out", default=None)
+    p.add_argument("--plot", default=None)
+    return p.parse_args()
+
+
+def check_args(args) -> str | None:
+    """What is wrong with the arguments of a training run (before any work), or None."""
+    if not args.model or not (Path(args.model) / "config.json").is_file():
+        return f"--model {args.model!r}: not a local model folder (no config.json); give one, or set SMOLLM2"
+    if not args.corpus:
+        return "--corpus: give a folder of *.jsonl files or a list of files (or set DOMAINS)"
+    if not (args.cache_dir and args.runs_dir):
+        return "give --cache-dir (the activation cache, captured once) and --runs-dir (one folder per run)"
+    unknown = [k for k in args.kinds.split(",") if k not in KINDS]
+    if unknown:
+        return f"--kinds: unknown {unknown}; choose from {list(KINDS)}"
+    if "transcoder" not in args.kinds.split(","):
+        return "--kinds must include transcoder: every ratio is paired with it"
+    return None
+
+
+def main() -> int:
+    args = parse_args()
+    if args.from_rows:
+        rows, budget_line = load_rows(args.from_rows, lambda r: (r["model"], r["layer"], r["budget"],
+                                                                  r["variant"], r["seed"]))
+    else:
+        problem = check_args(args)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
+        corpus_paths(args.corpus)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        layers = [int(x) for x in args.layers.split(",")]
+        budgets = sorted(int(b) for b in args.budgets.split(","))
+        seeds = [int(s) for s in args.seeds.split(",")]
+        root = Path(args.runs_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
+        cache = ensure_cache(args, layers, budgets[-1])
+        rows, started = [], time.perf_counter()
+        for budget in budgets:
+            for seed in seeds[: args.top_seeds] if budget == budgets[-1] else seeds:
+                for layer in layers:
+                    tree, settings = run_tree(args, cache, layer, budget, seed)
+                    with cores(args.lock):
+                        metrics_of, seconds = run_variants(tree, "benchmarks/real_model.py")
+                    print(f"  layer {layer}, {budget:,} tokens, seed {seed}: {len(settings)} kinds "
+                          f"[{'reused' if seconds is None else f'{seconds:.0f}s'}]", flush=True)
+                    rows += collect(metrics_of, settings, Path(tree["output_dir"]), seconds)
+                    (root / "rows.partial.json").write_text(json.dumps(rows), encoding="utf-8")
+        capture = json.loads((Path(args.cache_dir) / "capture.json").read_text(encoding="utf-8")).get(cache.name, {})
+        budget_line = (f"model {args.model}; layers {layers}; budgets {budgets}; seeds {seeds} "
+                       f"({args.top_seeds} at {budgets[-1]:,}); kinds {args.kinds}; K {K}; "
+                       f"{MATCH_TRANSCODER}x transcoder parameters; {len(rows)} trained layers; capture "
+                       f"{capture.get('seconds', 'n/a')} s for {budgets[-1]:,} tokens x {len(layers)} layers; "
+                       f"wall time {(time.perf_counter() - started) / 60:.1f} min on CPU")
+        (root / "rows.json").write_text(json.dumps({"rows": rows, "budget": budget_line}), encoding="utf-8")
+    text = f"{table(rows)}\n\n{trend(rows)}\n\nbudget: {budget_line}\n"
+    print("\n" + text)
+    if args.out:
+        Path(args.out).write_text(text, encoding="utf-8")
+    if args.plot:
+        plot(rows, Path(args.plot))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
