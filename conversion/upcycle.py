@@ -1,8 +1,14 @@
 """`expertize upcycle RECIPE`: distil sparse layers for the chosen MLPs, evaluate, and write a publishable folder.
 
     preflight (everything checkable: base config, layers, spec, device, memory, corpus, lm-eval tasks)
-      -> claim the run folder -> base model -> sparse layers (+ init from the dense MLP)
-      -> distil (captured activations) -> heal (optional, end to end) -> evaluate -> assemble and publish
+      -> claim the run folder -> base model -> build_layers (+ init from the dense MLP)   -> Built
+      -> distil (captured activations)                                                  -> Distilled
+      -> heal (optional, end to end)                                                    -> Healed | None
+      -> evaluate (held-out metrics and every stage's record)                           -> Metrics (typed)
+      -> publish (the model, metrics.json, records and card, staged then moved in)
+
+Each stage returns one record and reads only the records before it (and the plan, RunPlan); metrics.json is written
+from the typed `Metrics` (publishing/metrics_schema.py), every section present (null where a stage did not run).
 
 The output folder loads with `AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)` and also holds
 metrics.json, recipe.resolved.yaml, provenance.json, plots/ and README.md (model card); the folder's layout is
@@ -16,8 +22,6 @@ variant folder is skipped on a rerun; a variant that diverges stops alone, the o
 then fails naming it.
 """
 
-import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -28,19 +32,20 @@ import torch
 
 from expertize.modeling import SparseLayer, build_sparse_layer, link_cross_layer
 
-from .data.activations import ActivationBatches
+from .data.streams import activation_batches  # noqa: F401  (upcycle.activation_batches: benchmarks, tests)
 from .data.cache import cached_batches, open_matching_cache
-from .data.mlp_pairs import MlpCapture, capture_batch_size, excluded_token_ids
+from .data.mlp_pairs import excluded_token_ids
 from .data.separators import check_separators
-from .data.text import load_eval_sequences, stream_train_tokens
-from .data.token_cache import train_sequences
+from .data.text import load_eval_sequences
 from .errors import RunFailed
 from .evaluation.evaluate import evaluate_sparse_layers, spliced_ce
 from .evaluation.shared_passes import AblationMemo
 from .evaluation.stacking import stacking_metrics
 from .preflight import RunPlan, plan_variants
 from .evaluation.reading import quality_verdict
-from .publishing.metrics_schema import Metrics, load_metrics
+from .publishing.metrics_schema import (
+    BalanceSummary, HealSummary, InitMetrics, LmEval, Metrics, StackingMetrics, TrainSummary, load_metrics,
+)
 from .publishing.model_folder import refresh_model_card
 from .publishing.records import example_prompt, provenance, recipe_summary
 from .publishing.variants_table import VARIANTS_TABLE, write_variants_table
@@ -167,49 +172,65 @@ def pending_variants(
     return pending
 
 
-@dataclass
-class Trained:
-    """What training produced: the layers, the distillation's mean MLP outputs (for mean ablation) and summaries."""
+@dataclass(frozen=True)
+class Built:
+    """`build_layers`: one run's sparse layers before training (trained in place by `distil`), the plan of their
+    distillation, and what an initialization from the dense MLP cost."""
 
     layers: dict[int, SparseLayer]
-    steps: int = 0
-    mean_outputs: dict[int, torch.Tensor] | None = None
-    healed_model: torch.nn.Module | None = None
-    heal_summary: dict | None = None
-    init_metrics: dict | None = None
-    balance: dict[int, tuple[dict, torch.Tensor]] = field(default_factory=dict)
-    """The balanced layers' (summary, raised units) from distillation (Trainer.balance_summaries)."""
-    eval_sequences: torch.Tensor | None = field(default=None, repr=False)
-    rng: Any = field(default=None, repr=False)
+    distill: DistillPlan
+    """What the recipe's train: section resolves to for these layers (training/distill_plan.py): decided once here,
+    read by the trainer, the evaluation (what was in effect) and the records."""
+    rng: Any = field(repr=False)
     """The torch RNG state right after the layers were built: where this run's training draws from."""
+    init_metrics: dict | None = None
+    """ΔCE at initialization (`layer.init: split | copy`); None for the layer's own init."""
+    eval_sequences: torch.Tensor | None = field(default=None, repr=False)
+    """The held-out sequences, when the initialization already loaded them (reused by the evaluation)."""
+
+
+@dataclass(frozen=True)
+class Distilled:
+    """`distil`: what one run's distillation produced besides the layers it trained in place."""
+
+    rng: Any = field(repr=False)
+    """The torch RNG state after the distillation (healing draws from it, as the run would alone)."""
+    steps: int = 0
+    mean_outputs: dict[int, torch.Tensor] | None = field(default=None, repr=False)
+    """The MLP outputs' training mean per layer (the mean ablation's constant); None: no distillation."""
+    balance: dict[int, tuple[dict, torch.Tensor]] = field(default_factory=dict, repr=False)
+    """The balanced layers' (summary, raised units) (Trainer.balance_summaries)."""
     compute: dict | None = None
     """How the capture and the training ran (`training.compute.compute_record`), for provenance.json."""
-    distill: DistillPlan | None = None
-    """What the recipe's train: section resolves to for these layers (training/distill_plan.py): decided once when
-    the layers are built, read by the trainer and the records."""
-    heal_schedule: ResolvedSchedule | None = None
-    """The healing's schedule as its engine resolved it (None without healing)."""
+
+
+@dataclass(frozen=True)
+class Healed:
+    """`heal`: the spliced model trained end to end (the recipe's heal: section)."""
+
+    model: torch.nn.Module = field(repr=False)
+    summary: dict
+    schedule: ResolvedSchedule
 
 
 def _run(plans: list[RunPlan], folders: list[RunFolder], accelerator, *, progress: bool, say: Log) -> None:
     base = load_base(plans[0], accelerator.device)
     if accelerator.is_main_process:  # before training: does the base read the text as the data section reads it?
         check_separators(plans[0].recipe.data, plans[0].tokenizer, base, say)
-    trained = []
+    built = []
     for plan in plans:
         torch.manual_seed(plan.recipe.train.seed)  # each variant is built as it would be alone
-        trained.append(build_layers(plan, base, accelerator))
-        trained[-1].rng = rng_state()
-    diverged = distil(plans, base, trained, folders, accelerator, progress=progress, say=say)
+        built.append(build_layers(plan, base, accelerator))
+    distilled, diverged = distil(plans, base, built, folders, accelerator, progress=progress, say=say)
     if not accelerator.is_main_process:
         return
     memo = AblationMemo(share_base=len(plans) > 1)  # the variants' base and ablated eval forwards: computed once
-    for plan, run, folder in zip(plans, trained, folders):
+    for plan, layers, run, folder in zip(plans, built, distilled, folders):
         if folder.root.name in diverged:
             continue
         set_rng_state(run.rng)  # healing draws from this run's RNG, as it would alone (e.g. LoRA's init)
-        heal(plan, base, run, folder, accelerator, progress=progress, say=say)
-        publish(plan, base, run, folder, accelerator, progress=progress, say=say, ablation_memo=memo)
+        healed = heal(plan, base, layers, folder, accelerator, progress=progress, say=say)
+        publish(plan, base, layers, run, healed, folder, accelerator, progress=progress, say=say, ablation_memo=memo)
         if not is_dispatched(base):
             # publish saves from the base moved to the CPU in float32; the next variant evaluates on the run's device.
             base.to(device=accelerator.device, dtype=getattr(torch, plan.recipe.dtype))
@@ -237,41 +258,43 @@ def load_base(plan: RunPlan, device: torch.device):
     return base
 
 
-def build_layers(plan: RunPlan, base, accelerator) -> Trained:
+def build_layers(plan: RunPlan, base, accelerator) -> Built:
     """One sparse layer per target layer; `layer.init: split | copy` overwrites them with the base MLPs' weights and
     records what that costs before any training (ΔCE at initialization)."""
     recipe = plan.recipe
-    trained = Trained(layers={i: build_sparse_layer(plan.spec.at_layer(i, plan.layer_ids)) for i in plan.layer_ids})
-    link_cross_layer(trained.layers)  # a CLT's layers share their codes (each other kind: nothing to link)
-    trained.distill = plan_distillation(recipe.train, next(iter(trained.layers.values())), plan.distill_steps)
+    layers = {i: build_sparse_layer(plan.spec.at_layer(i, plan.layer_ids)) for i in plan.layer_ids}
+    link_cross_layer(layers)  # a CLT's layers share their codes (each other kind: nothing to link)
+    distill = plan_distillation(recipe.train, next(iter(layers.values())), plan.distill_steps)
     if recipe.layer.init == "default":
-        return trained
+        return Built(layers, distill, rng=rng_state())
     blocks = decoder_blocks(base)
-    for i, layer in trained.layers.items():
+    for i, layer in layers.items():
         init_moe_from_dense(
             layer, blocks[i].mlp, recipe.layer.init, family=base.config.model_type,
             clustering=recipe.layer.init_clustering, noise_std=recipe.layer.init_noise, seed=recipe.train.seed + i,
             # The recipe states the activation (auto keeps the MLP's), so a switch to ReLU here is intended.
             allow_activation_change=True,
         )
+    eval_sequences = init_metrics = None
     if accelerator.is_main_process:
-        trained.eval_sequences = load_eval_sequences(recipe.data, plan.tokenizer)  # reused by the final evaluation
-        trained.init_metrics = {
+        eval_sequences = load_eval_sequences(recipe.data, plan.tokenizer)  # reused by the final evaluation
+        init_metrics = {
             "method": recipe.layer.init,
-            **spliced_ce(base, trained.layers, trained.eval_sequences, recipe.eval.batch_sequences),
+            **spliced_ce(base, layers, eval_sequences, recipe.eval.batch_sequences),
         }
-    return trained
+    return Built(layers, distill, rng=rng_state(), init_metrics=init_metrics, eval_sequences=eval_sequences)
 
 
 def distil(
-    plans: list[RunPlan], base, trained: list[Trained], folders: list[RunFolder], accelerator, *, progress: bool,
+    plans: list[RunPlan], base, built: list[Built], folders: list[RunFolder], accelerator, *, progress: bool,
     say: Log,
-) -> dict[str, Exception]:
+) -> tuple[list[Distilled], dict[str, Exception]]:
     """Layer-wise distillation from captured activations (skipped with `train.distill: false`): every run (the
-    variants of a recipe) trains on one stream, captured once. Returns the variants that diverged, by name."""
+    variants of a recipe) trains on one stream, captured once. Returns each run's record and the variants that
+    diverged, by name (their records are not to be published)."""
     recipe = plans[0].recipe
     if not recipe.train.distill:
-        return {}
+        return [Distilled(rng=run.rng) for run in built], {}
     # None: capture live; else read the pairs from disk
     cache = open_matching_cache(recipe, plans[0].layer_ids, world_size=accelerator.num_processes)
     stream = activation_batches if cache is None else partial(cached_batches, cache)
@@ -284,7 +307,7 @@ def distil(
         capture_batch_sequences=None if cache is not None else batches.capture_batch_sequences,
     )
     trainers = []
-    for plan, run, folder in zip(plans, trained, folders):
+    for plan, run, folder in zip(plans, built, folders):
         set_rng_state(run.rng)  # the trainer starts from this run's RNG (MxD's random K draws from it)
         trainers.append(Trainer(
             run.layers, batches, plan.recipe.train, total_steps=plan.distill_steps, accelerator=accelerator,
@@ -299,25 +322,28 @@ def distil(
     finally:
         for trainer in trainers:
             trainer.release()
-    for plan, run, trainer in zip(plans, trained, trainers):
-        run.compute = compute
+    distilled = []
+    for plan, run, trainer in zip(plans, built, trainers):
         if trainer in diverged:
+            distilled.append(Distilled(rng=run.rng, compute=compute))
             continue
         with trainer.own_rng(len(trainers) > 1):
             trainer.save_checkpoint()  # a run killed during evaluation resumes straight into it
-            run.rng = rng_state()
-        run.steps, run.mean_outputs = plan.distill_steps, trainer.mean_outputs
-        run.balance = trainer.balance_summaries()
-    return {folder.root.name: diverged[trainer] for trainer, folder in zip(trainers, folders) if trainer in diverged}
+            rng = rng_state()
+        distilled.append(Distilled(rng=rng, steps=plan.distill_steps, mean_outputs=trainer.mean_outputs,
+                                   balance=trainer.balance_summaries(), compute=compute))
+    return distilled, {folder.root.name: diverged[trainer] for trainer, folder in zip(trainers, folders)
+                       if trainer in diverged}
 
 
-def heal(plan: RunPlan, base, trained: Trained, folder: RunFolder, accelerator, *, progress: bool, say: Log) -> None:
-    """End-to-end healing of the spliced model (the recipe's `heal:` section), on one process."""
+def heal(plan: RunPlan, base, built: Built, folder: RunFolder, accelerator, *, progress: bool, say: Log
+         ) -> Healed | None:
+    """End-to-end healing of the spliced model (the recipe's `heal:` section), on one process; None without one."""
     recipe = plan.recipe
     if recipe.heal is None:
-        return
+        return None
     # The spliced model trains in float32 whatever dtype produced the activations.
-    spliced = splice(base, trained.layers).float()
+    spliced = splice(base, built.layers).float()
     spliced.config.router_aux_loss_coef = recipe.heal.aux_loss_coef
     healer = Healer(
         spliced, base, plan.tokenizer, recipe.data, recipe.heal, family=plan.family, device=accelerator.device,
@@ -325,62 +351,78 @@ def heal(plan: RunPlan, base, trained: Trained, folder: RunFolder, accelerator, 
         progress=progress, log=say, log_with=recipe.train.log_with,
     )
     with matmul_precision(accelerator.device, recipe.train.tf32):
-        trained.healed_model = healer.fit()
-    trained.layers = trained.healed_model.sparse_layers()
-    trained.heal_summary = healer.summary()
-    trained.heal_schedule = healer.schedule
+        model = healer.fit()
+    return Healed(model, healer.summary(), healer.schedule)
+
+
+def evaluate(
+    plan: RunPlan, base, built: Built, distilled: Distilled, healed: Healed | None, folder: RunFolder,
+    eval_sequences: torch.Tensor, plots_dir: Path, accelerator, *, progress: bool, say: Log,
+    ablation_memo: AblationMemo | None = None,
+) -> Metrics:
+    """The run's metrics.json, typed: the held-out evaluation of its layers (in the healed model when it was healed),
+    what the stages before recorded (balancing, initialization, healing, the distillation's summary) and, for a base
+    that is itself an expertize model, the cost against the dense model it came from."""
+    recipe = plan.recipe
+    layers = built.layers if healed is None else healed.model.sparse_layers()
+    metrics = Metrics.from_dict(evaluate_sparse_layers(
+        base, layers, eval_sequences, recipe.eval, plots_dir=plots_dir,
+        mean_outputs=distilled.mean_outputs, spliced_model=None if healed is None else healed.model,
+        progress=progress, exclude_token_ids=excluded_token_ids(recipe.data, plan.tokenizer),
+        ablation_memo=ablation_memo, raised_units={i: raised for i, (_, raised) in distilled.balance.items()},
+        plan=built.distill,
+    ))
+    for i, (summary, _) in distilled.balance.items():
+        metrics.layers[str(i)].balance = BalanceSummary.from_dict(summary, f"layers.{i}.balance")
+    stacked = stacking_metrics(
+        recipe.base_model, plan.base_config, eval_sequences, metrics.ce.spliced,
+        batch_sequences=recipe.eval.batch_sequences, dtype=getattr(torch, recipe.dtype), device=accelerator.device,
+        log=say,
+    )
+    if stacked is not None:  # base_model is an expertize folder: the cost against the dense model it came from
+        metrics.stacking = StackingMetrics.from_dict(stacked, "stacking")
+    metrics.train = TrainSummary.from_dict(train_summary(
+        built.distill, distilled.steps, folder.train_log, recipe.train.code_share_floor), "train")
+    if built.init_metrics is not None:
+        metrics.init = InitMetrics.from_dict(built.init_metrics, "init")
+    if healed is not None:
+        metrics.heal = HealSummary.from_dict(healed.summary, "heal")
+    return metrics
 
 
 def publish(
-    plan: RunPlan, base, trained: Trained, folder: RunFolder, accelerator, *, progress: bool, say: Log,
-    ablation_memo: AblationMemo | None = None,
+    plan: RunPlan, base, built: Built, distilled: Distilled, healed: Healed | None, folder: RunFolder, accelerator,
+    *, progress: bool, say: Log, ablation_memo: AblationMemo | None = None,
 ) -> None:
-    """Evaluate, save the model and its records into a staging folder, and move it in (metrics.json last)."""
+    """Evaluate, assemble the model and its records in a staging folder, and move it in (metrics.json last)."""
     recipe = plan.recipe
-    if trained.eval_sequences is None:
-        trained.eval_sequences = load_eval_sequences(recipe.data, plan.tokenizer)
+    eval_sequences = built.eval_sequences
+    if eval_sequences is None:
+        eval_sequences = load_eval_sequences(recipe.data, plan.tokenizer)
     with folder.staging() as stage:
-        metrics = evaluate_sparse_layers(
-            base, trained.layers, trained.eval_sequences, recipe.eval, plots_dir=stage.plots_dir,
-            mean_outputs=trained.mean_outputs, spliced_model=trained.healed_model, progress=progress,
-            exclude_token_ids=excluded_token_ids(recipe.data, plan.tokenizer), ablation_memo=ablation_memo,
-            raised_units={i: raised for i, (_, raised) in trained.balance.items()},
-            plan=trained.distill,
-        )
-        for i, (summary, _) in trained.balance.items():
-            metrics["layers"][str(i)]["balance"] = summary
-        stacked = stacking_metrics(
-            recipe.base_model, plan.base_config, trained.eval_sequences, metrics["ce"]["spliced"],
-            batch_sequences=recipe.eval.batch_sequences, dtype=getattr(torch, recipe.dtype), device=accelerator.device,
-            log=say,
-        )
-        if stacked is not None:  # base_model is an expertize folder: the cost against the dense model it came from
-            metrics["stacking"] = stacked
+        metrics = evaluate(plan, base, built, distilled, healed, folder, eval_sequences, stage.plots_dir,
+                           accelerator, progress=progress, say=say, ablation_memo=ablation_memo)
         plot_loss_curve([folder.train_log, folder.heal_log], stage.plots_dir / LOSS_PLOT)
-        metrics["train"] = train_summary(trained.distill, trained.steps, folder.train_log, recipe.train.code_share_floor)
-        if trained.init_metrics is not None:
-            metrics["init"] = trained.init_metrics
-        if trained.heal_summary is not None:
-            metrics["heal"] = trained.heal_summary
-            model = trained.healed_model.cpu()
+        if healed is not None:
+            model = healed.model.cpu()
         else:
             # Saved in float32 whatever dtype produced the activations (`.float()` is a no-op for a float32 base). A
             # base spread with device_map holds no weights where it is offloaded: the folder is spliced from the
             # checkpoint itself, loaded whole on the CPU (docs/scale.md: the saving host needs the model's memory).
             source = plan.recipe.base_model if is_dispatched(base) else base.cpu().float()
-            model = splice(source, {i: m.cpu() for i, m in trained.layers.items()}, dtype=torch.float32)
+            model = splice(source, {i: m.cpu() for i, m in built.layers.items()}, dtype=torch.float32)
         model.save_pretrained(stage.path)
         plan.tokenizer.save_pretrained(stage.path)
-        metrics["recipe_summary"] = recipe_summary(  # the card's Training rows
-            recipe, trained.steps, trained.distill.schedule, trained.heal_schedule)
-        metrics["example_prompt"] = example_prompt(trained.eval_sequences, plan.tokenizer)  # the card's example
+        metrics.recipe_summary = recipe_summary(  # the card's Training rows
+            recipe, distilled.steps, built.distill.schedule, None if healed is None else healed.schedule)
+        metrics.example_prompt = example_prompt(eval_sequences, plan.tokenizer)  # the card's example
         if plan.lm_eval is not None:
-            metrics["lm_eval"] = plan.lm_eval.run(
+            metrics.lm_eval = LmEval.from_dict(plan.lm_eval.run(
                 model, base, plan.tokenizer, stage.path, device=accelerator.device, model_name=str(folder.root),
                 base_name=recipe.base_model, log=say if progress else None,
-            )
-        verdict = quality_verdict(Metrics.from_dict(metrics))
-        metrics["verdict"] = None if verdict is None else verdict.to_dict()
+            ), "lm_eval")
+        verdict = quality_verdict(metrics)
+        metrics.verdict = None if verdict is None else verdict.to_dict()
         nulled = stage.write_metrics(metrics)
         if nulled:
             raise RunFailed(
@@ -389,7 +431,7 @@ def publish(
                 "kept. Check train.precision / dtype (bf16 overflow), or lower train.lr and start over with --restart"
             )
         stage.write_yaml(RESOLVED_RECIPE, recipe_to_dict(recipe))
-        compute = trained.compute or compute_record(  # no distillation: only the settings and the base
+        compute = distilled.compute or compute_record(  # no distillation: only the settings and the base
             recipe, accelerator.device, attention=base.config._attn_implementation)
         record = provenance(recipe, device=accelerator.device, compute=compute)
         if plan.placement is not None:  # which device held which modules of the base
@@ -412,35 +454,6 @@ def train_summary(distill: DistillPlan, steps: int, log_path: Path, code_share_f
                    loss_drop_last_fifth=loss_drop_last_fifth(log_path),
                    code_share_floor=code_share_floor)
     return out
-
-
-def activation_batches(
-    recipe: Recipe, base, tokenizer, layer_ids: list[int], total_steps: int, device: torch.device,
-    *, rank: int = 0, world_size: int = 1,
-) -> ActivationBatches:
-    """The recipe's training stream: packed train split -> captured (x, y) at `layer_ids` -> shuffled step batches."""
-    train, data = recipe.train, recipe.data
-    # Several processes read a little more, so every rank fills the last step (text.stream_train_tokens).
-    data = dataclasses.replace(data, train_tokens=stream_train_tokens(data, world_size))
-    # Never buffer beyond the run's budget (the stream ends there).
-    shuffle_buffer_tokens = min(train.shuffle_buffer_tokens, total_steps * train.tokens_per_step)
-    return ActivationBatches(
-        MlpCapture(base, layer_ids, precision=train.capture_precision),
-        train_sequences(data, tokenizer),
-        context_length=data.context_length,
-        tokens_per_step=train.tokens_per_step,
-        shuffle_buffer_tokens=shuffle_buffer_tokens,
-        capture_batch_sequences=capture_batch_size(
-            train.capture_batch_sequences, base.config, data.context_length, device,
-            itemsize=next(base.parameters()).element_size(),
-            max_sequences=math.ceil(max(shuffle_buffer_tokens, train.tokens_per_step) / data.context_length),
-        ),
-        seed=train.seed,
-        device=device,
-        rank=rank,
-        world_size=world_size,
-        exclude_token_ids=excluded_token_ids(data, tokenizer),
-    )
 
 
 def upcycle_summary(folder: str | Path) -> str:

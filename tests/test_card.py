@@ -1,16 +1,20 @@
 """Model cards: Hub metadata that parses, the tables with their formatted numbers, the loading snippet, citations."""
 
+import os
 import re
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import yaml
-from huggingface_hub import ModelCard
-
 from expertize.conversion.evaluation.reading import quality_verdict
 from expertize.conversion.publishing.card import CardInputs, write_model_card
 from expertize.conversion.publishing.formats import format_count, format_number, format_percent
 from expertize.conversion.publishing.metrics_schema import Metrics
 from expertize.modeling import MxdLayer, MxdSpec, SkipTranscoderSpec, TranscoderSpec
+from huggingface_hub import ModelCard
+
 from tests.conftest import D_HIDDEN, D_MODEL, run_isolated, tiny_base_model, write_json
 
 MXD = {"kind": "mxd", "d_in": 768, "d_out": 768, "d_hidden": 3072, "num_experts": 21490, "k": 32,
@@ -326,3 +330,33 @@ def test_kind_facts_are_read_from_the_spec_classes():
     assert _kind_info("skip_transcoder") == KindInfo("skip transcoder", "latent", "num_latents", "latent")
     assert _kind_info("moe_x") == KindInfo("MoE-X", "expert", "num_experts", "hidden unit")
     assert "oldfield2025mxd" in _citation("mxd") and "eprint        = {2505.21364}" in _citation("mxd")
+
+
+def test_a_folder_tokenizer_without_trust_remote_code_answers_no_at_once_with_stdin_closed(tmp_path, tokenizer):
+    """docs/native.md: `AutoTokenizer.from_pretrained(folder)` without the flag (lm-eval, scripts) asks transformers'
+    remote-code question, answered "no" at once when stdin is closed, and loads the stock tokenizer; the stock class
+    loads it with no question at all. Both give the ids the flagged load gives (a fresh process without expertize)."""
+    from expertize.conversion.surgery.splice import save_model, splice
+
+    spec = MxdSpec(d_in=D_MODEL, d_out=D_MODEL, d_hidden=D_HIDDEN, num_experts=16, k=4, activation="gelu_new")
+    model = splice(tiny_base_model("gpt2"), {1: MxdLayer(spec)})
+    model_dir = save_model(model, tmp_path / "model", tokenizer=tokenizer)
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.modules["expertize"] = None  # the loads below must not need it
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+        folder, text = {str(model_dir)!r}, "To be, or not to be"
+        start = time.perf_counter()
+        plain = AutoTokenizer.from_pretrained(folder)
+        seconds = time.perf_counter() - start
+        stock = PreTrainedTokenizerFast.from_pretrained(folder)
+        flagged = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+        assert plain(text).input_ids == stock(text).input_ids == flagged(text).input_ids
+        print(f"seconds={{seconds:.2f}}")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "hf_modules"))
+    done = subprocess.run([sys.executable, "-c", code], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert float(done.stdout.split("seconds=")[1]) < 5.0  # no 15 s wait for an answer

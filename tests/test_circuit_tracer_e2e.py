@@ -82,6 +82,15 @@ def test_the_registry_circuit_tracer_draws_a_graph_from_an_export(kind, layout, 
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     check = next(line for line in run.stdout.splitlines() if line.startswith("[check]"))
     assert float(check.split("max=")[1].split()[0]) <= 1e-5, check
+    # scripts/circuit_tracer_env.sh pins the nnsight circuit-tracer's nnsight backend imports (0.6.3): on a Llama
+    # `--backend auto` takes it; the TransformerLens route (GPT-2's only one) must still draw the same prompt
+    assert "backend=nnsight" in run.stdout, [line for line in run.stdout.splitlines() if line.startswith("[base]")]
+    tl = subprocess.run(
+        [python, str(tmp_path / "ct" / "attribute.py"), "--prompt", PROMPT, "--out", str(tmp_path / "graph-tl"),
+         "--backend", "transformerlens"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert tl.returncode == 0 and "backend=transformerlens" in tl.stdout, tl.stdout[-2000:] + tl.stderr[-2000:]
+    assert len(json.loads((tmp_path / "graph-tl" / "graph.json").read_text())["nodes"]) > 0
     # expertize is not importable there: the graph came from circuit-tracer's own code
     probe = subprocess.run([python, "-c", "import expertize"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert probe.returncode != 0 and "No module named 'expertize'" in probe.stderr

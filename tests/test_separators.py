@@ -98,3 +98,25 @@ def test_a_base_that_starts_documents_with_bos_is_offered_llama2c_reading(tmp_pa
                              add_bos=False)
     cost = check_separators(bos_reading, tiny_tokenizer(), _Base(-25.0, 0.0), said.append)
     assert said == [] and cost.inserted >= 4
+
+
+SHIPPED_LOCAL = ("quickstart", "stories260k-mxd", "stories260k-clt")
+"""The shipped recipes whose base and text ship with the package (the others name Hub models)."""
+
+
+@pytest.mark.parametrize("name", SHIPPED_LOCAL)
+def test_no_shipped_recipe_warns_about_its_own_reading(name):
+    """Issue 50: the stories260k recipes read their text as llama2.c trained the model (BOS before every story), and
+    once warned that the inserted BOS cost the base 14 nats: the shipped samples were cut at a fixed length, so no
+    reading could give the model its own text. With complete stories (scripts/sample_stories260k.py) every shipped
+    recipe's reading is one its base reads as its own, measured as `upcycle` measures it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from expertize.conversion.data.separators import reading_cost, reading_warning
+    from expertize.conversion.recipe import load_recipe
+
+    recipe = load_recipe(name)
+    tokenizer = AutoTokenizer.from_pretrained(recipe.base_model)
+    base = AutoModelForCausalLM.from_pretrained(recipe.base_model).eval()
+    cost = reading_cost(recipe.data, tokenizer, base)
+    assert reading_warning(recipe.data, tokenizer, base, cost=cost) is None, cost

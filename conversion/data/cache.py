@@ -403,7 +403,7 @@ def cached_batches(
     cache: ActivationCache, recipe, base, tokenizer, layer_ids: list[int], total_steps: int, device: torch.device,
     *, rank: int = 0, world_size: int = 1,
 ) -> CachedActivationBatches:
-    """`upcycle.activation_batches`' stream, read from `cache` (same arguments after it)."""
+    """`streams.activation_batches`' stream, read from `cache` (same arguments after it)."""
     from .mlp_pairs import excluded_token_ids
 
     train, data = recipe.train, recipe.data
