@@ -85,14 +85,15 @@ def mlp_width(model: str) -> int:
 
 def base_tree(args, layers: list[int], tokens: int, seed: int) -> dict:
     source, paths = corpus_paths(args.corpus)
-    steps = max(1, tokens // TRAIN["tokens_per_step"])
+    steps = max(1, tokens // args.tokens_per_step)
     return {
         "base_model": args.model, "dtype": "float32", "layers": layers,
         "layer": {"kind": "transcoder", "k": K, "match_transcoder": MATCH_TRANSCODER},
         "data": {"source": source, "paths": paths, "context_length": CONTEXT, "train_tokens": tokens,
-                 "eval_tokens": EVAL_TOKENS, "eval_fraction": EVAL_FRACTION,
+                 "eval_tokens": args.eval_tokens, "eval_fraction": EVAL_FRACTION,
                  **({"document_separator": args.separator} if source == "text" else {})},
-        "train": {**TRAIN, "seed": seed, "warmup_steps": max(1, steps // 10)},
+        "train": {**TRAIN, "seed": seed, "warmup_steps": max(1, steps // 10), "device": args.device,
+                  "tokens_per_step": args.tokens_per_step, "precision": args.precision},
         "eval": EVAL,
     }
 
@@ -135,9 +136,10 @@ def ensure_cache(args, layers: list[int], tokens: int) -> Path:
     return folder
 
 
-def run_tree(args, cache: Path, layer: int, tokens: int, seed: int) -> tuple[dict, list[dict]]:
+def run_tree(args, cache: Path | None, layer: int, tokens: int, seed: int) -> tuple[dict, list[dict]]:
     tree = base_tree(args, [layer], tokens, seed)
-    tree["data"]["activation_cache"] = str(cache)
+    if cache is not None:  # else each run captures its own stream live (--no-cache)
+        tree["data"]["activation_cache"] = str(cache)
     tree["output_dir"] = str(Path(args.runs_dir) / f"l{layer}-b{tokens}-s{seed}")
     width, variants, settings = mlp_width(args.model), [], []
     for name in args.kinds.split(","):
@@ -302,10 +304,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layers", default="5,15,25")
     p.add_argument("--budgets", default="65536,262144,1048576", help="training tokens per layer, ascending")
     p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS, help="held-out tokens per evaluation")
     p.add_argument("--top-seeds", type=int, default=2, help="seeds at the largest budget (the first of --seeds)")
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--runs-dir", default=None)
+    p.add_argument("--no-cache", action="store_true",
+                   help="capture each run's stream live (a GPU's budgets: a cache of 100M tokens does not fit)")
+    p.add_argument("--device", default="cpu", help="train.device (cuda on a GPU)")
+    p.add_argument("--tokens-per-step", type=int, default=1024)
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="train.precision")
     p.add_argument("--lock", default=None, help="an exclusive flock held during the capture and each run only")
     p.add_argument("--from-rows", default=None, help="re-tabulate rows.json files (comma-separated); trains nothing")
     p.add_argument("--out", default=None)
@@ -319,8 +327,9 @@ def check_args(args) -> str | None:
         return f"--model {args.model!r}: not a local model folder (no config.json); give one, or set SMOLLM2"
     if not args.corpus:
         return "--corpus: give a folder of *.jsonl files or a list of files (or set DOMAINS)"
-    if not (args.cache_dir and args.runs_dir):
-        return "give --cache-dir (the activation cache, captured once) and --runs-dir (one folder per run)"
+    if not ((args.cache_dir or args.no_cache) and args.runs_dir):
+        return ("give --cache-dir (the activation cache, captured once; or --no-cache) and --runs-dir (one folder per "
+                "run)")
     unknown = [k for k in args.kinds.split(",") if k not in KINDS]
     if unknown:
         return f"--kinds: unknown {unknown}; choose from {list(KINDS)}"
@@ -347,8 +356,9 @@ def main() -> int:
         seeds = [int(s) for s in args.seeds.split(",")]
         root = Path(args.runs_dir)
         root.mkdir(parents=True, exist_ok=True)
-        Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
-        cache = ensure_cache(args, layers, budgets[-1])
+        if not args.no_cache:
+            Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
+        cache = None if args.no_cache else ensure_cache(args, layers, budgets[-1])
         rows, started = [], time.perf_counter()
         for budget in budgets:
             for seed in seeds[: args.top_seeds] if budget == budgets[-1] else seeds:
@@ -360,11 +370,14 @@ def main() -> int:
                           f"[{'reused' if seconds is None else f'{seconds:.0f}s'}]", flush=True)
                     rows += collect(metrics_of, settings, Path(tree["output_dir"]), seconds)
                     (root / "rows.partial.json").write_text(json.dumps(rows), encoding="utf-8")
-        capture = json.loads((Path(args.cache_dir) / "capture.json").read_text(encoding="utf-8")).get(cache.name, {})
+        capture_line = "capture live in every run (no cache)"
+        if cache is not None:
+            captured = json.loads((Path(args.cache_dir) / "capture.json").read_text(encoding="utf-8"))[cache.name]
+            capture_line = f"capture {captured['seconds']} s for {budgets[-1]:,} tokens x {len(layers)} layers"
         budget_line = (f"model {args.model}; layers {layers}; budgets {budgets}; seeds {seeds} "
                        f"({args.top_seeds} at {budgets[-1]:,}); kinds {args.kinds}; K {K}; "
-                       f"{MATCH_TRANSCODER}x transcoder parameters; {len(rows)} trained layers; capture "
-                       f"{capture.get('seconds', 'n/a')} s for {budgets[-1]:,} tokens x {len(layers)} layers; "
+                       f"{MATCH_TRANSCODER}x transcoder parameters; {args.eval_tokens:,} held-out tokens; "
+                       f"{len(rows)} trained layers; {capture_line}; "
                        f"wall time {(time.perf_counter() - started) / 60:.1f} min on CPU")
         (root / "rows.json").write_text(json.dumps({"rows": rows, "budget": budget_line}), encoding="utf-8")
     text = f"{table(rows)}\n\n{trend(rows)}\n\nbudget: {budget_line}\n"

@@ -1,7 +1,9 @@
 """What each stage of benchmarks/real_model.py costs on a real model, per kind (issue 48: "make it affordable").
 
 Stages, each timed alone on the machine it runs on (hold the cores: `--lock`):
-- capture: the activation cache's tokens per second (cache-dir/capture.json, written by real_model.py's capture);
+- capture: the activation cache's tokens per second, at every layer of `--layers` (only the blocks up to the deepest
+  run): `--steps` x 1,024 tokens captured alone into a scratch folder, and the whole cache real_model.py captured
+  (cache-dir/capture.json, timed while other jobs may have shared the cores);
 - train: one kind alone, `--steps` optimizer steps of 1,024 tokens read from that cache (the loop's seconds from the
   run's train_log), in fp32 and in bf16 autocast (`train.precision`);
 - evaluate: the run's wall time less its training loop (load, held-out forwards, the code probe, the folder).
@@ -24,7 +26,7 @@ PRECISIONS = ("fp32", "bf16")
 
 
 def kind_tree(args, cache: Path, kind: str, precision: str) -> dict:
-    tokens = args.steps * 1024
+    tokens = args.steps * args.tokens_per_step
     tree = base_tree(args, [args.layer], tokens, 0)
     tree["data"]["activation_cache"] = str(cache)
     tree["train"].update(precision=precision, warmup_steps=1, log_every=max(1, args.steps // 4))
@@ -48,6 +50,10 @@ def main() -> int:
     p.add_argument("--layer", type=int, default=15)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--eval-tokens", type=int, default=8_192)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tokens-per-step", type=int, default=1024)
+    p.add_argument("--precision", default="fp32")
     p.add_argument("--runs-dir", required=True)
     p.add_argument("--lock", default=None)
     p.add_argument("--out", default=None)
@@ -58,11 +64,25 @@ def main() -> int:
         print(f"error: no activation cache {cache} with its capture time; run benchmarks/real_model.py first",
               file=sys.stderr)
         return 2
-    tokens = args.steps * 1024
+    tokens = args.steps * args.tokens_per_step
     lines = ["| stage | kind | precision | tokens | seconds | tokens/s |", "|---|---|---|---:|---:|---:|",
-             f"| capture ({len(captured['layers'])} layers, blocks up to {max(captured['layers'])}) | – | fp32 | "
+             f"| capture, the whole cache ({len(captured['layers'])} layers, blocks up to "
+             f"{max(captured['layers'])}) | – | fp32 | "
              f"{captured['tokens']:,} | {captured['seconds']:,.0f} | "
              f"{captured['tokens'] / captured['seconds']:,.0f} |"]
+    from expertize.conversion.capture import capture_activations
+    from expertize.conversion.recipe import recipe_from_dict
+
+    layers = [int(x) for x in args.layers.split(",")]
+    scratch = Path(args.runs_dir) / "capture-scratch"
+    if not scratch.exists():
+        tree = dict(base_tree(args, layers, tokens, 0), output_dir=str(Path(args.runs_dir) / "unused"))
+        with cores(args.lock):
+            start = time.perf_counter()
+            capture_activations(recipe_from_dict(tree, source="benchmarks/real_model_stages.py"), scratch)
+            seconds = time.perf_counter() - start
+        lines.append(f"| capture alone ({len(layers)} layers) | – | fp32 | {tokens:,} | {seconds:.1f} | "
+                     f"{tokens / seconds:,.0f} |")
     rates: dict[str, float] = {}
     for kind in args.kinds.split(","):
         for precision in PRECISIONS:

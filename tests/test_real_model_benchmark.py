@@ -43,7 +43,7 @@ def test_a_model_it_was_never_tuned_on_runs_from_the_cli_and_its_rows_regenerate
     done = run("--model", str(data / "models" / "tiny-gpt2-shakespeare"),
                "--corpus", str(data / "corpora" / "tinyshakespeare.txt"), "--separator", "blank_line",
                "--layers", "1,3", "--budgets", "1024,4096", "--seeds", "0,1", "--top-seeds", "1",
-               "--kinds", "transcoder,mxd", "--cache-dir", str(tmp_path / "cache"),
+               "--kinds", "transcoder,mxd", "--eval-tokens", "2048", "--cache-dir", str(tmp_path / "cache"),
                "--runs-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "table.md"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     table = (tmp_path / "table.md").read_text(encoding="utf-8")
