@@ -1,5 +1,6 @@
 """From a shipped model to an attribution graph with the registry's circuit-tracer, end to end: train a cross-layer
-transcoder and a JumpReLU transcoder set on stories260k (every layer, through `expertize upcycle`), export each with
+transcoder and a JumpReLU transcoder set on stories260k (every layer, `expertize upcycle stories260k-clt` by the
+shipped recipe's name, as the README's circuit-tracing section runs it, at a test's budget), export each with
 `expertize export --to circuit-tracer`, then run the export's own attribute.py in a second virtual environment that
 holds circuit-tracer 0.5.0 and its transformers pin and not expertize (EXPERTIZE_CIRCUIT_TRACER_PYTHON, made by
 scripts/circuit_tracer_env.sh; .ci/run makes it). There circuit-tracer's own loaders read the folder, its
@@ -17,12 +18,9 @@ import pytest
 import torch
 import yaml
 from expertize.conversion.cli import main as cli_main
-from expertize.conversion.recipe import recipe_from_dict
 from expertize.conversion.surgery.splice import load_expertize_model
-from expertize.conversion.upcycle import upcycle
 from safetensors.torch import save_file
 
-from tests.conftest import shared_data_dir
 from tests.export_helpers import tool_python
 
 pytestmark = pytest.mark.slow  # two short trainings, two exports and a second interpreter (~1 min)
@@ -35,17 +33,14 @@ def circuit_tracer_python() -> str:
 
 
 def train(tmp_path: Path, kind: str) -> Path:
-    data = shared_data_dir()
-    recipe = yaml.safe_load((Path(__file__).parents[1] / "recipes" / "stories260k-mxd.yaml").read_text())
-    recipe["base_model"] = str(data / "models" / "stories260k")
-    recipe["data"]["paths"] = [str(data / "corpora" / "stories260k_samples.txt")]
-    recipe["layers"] = "all"
-    recipe["layer"] = {"kind": kind, "k": 8, "num_latents": 512}
-    recipe["data"].update(train_tokens=16_384, eval_tokens=2_048)
-    recipe["train"].update(warmup_steps="auto", checkpoint_every=1_000, log_every=8)
-    recipe["eval"].update(generation_prompts=2, continuation_tokens=4, histogram=False)
-    recipe["output_dir"] = str(tmp_path / kind)
-    return upcycle(recipe_from_dict(recipe), progress=False)
+    """The README's first circuit-tracing command as a user runs it — the shipped recipe by name, no environment
+    variable — at a test's budget (`--set layer.kind=...` is the recipe header's switch to a JumpReLU set)."""
+    out = tmp_path / kind
+    args = ["upcycle", "stories260k-clt", "--no-progress", "--set", f"layer.kind={kind}", "--set",
+            "data.train_tokens=16384", "--set", "data.eval_tokens=2048", "--set", "eval.generation_prompts=2",
+            "--set", "eval.histogram=false", "--set", "train.checkpoint_every=1000", "--set", f"output_dir={out}"]
+    assert cli_main(args) == 0
+    return out
 
 
 def reference(folder: Path, path: Path) -> None:
