@@ -314,6 +314,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="train.device (cuda on a GPU)")
     p.add_argument("--tokens-per-step", type=int, default=1024)
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="train.precision")
+    p.add_argument("--keep-weights", action="store_true",
+                   help="keep each run's model.safetensors (by default removed once its metrics are read)")
     p.add_argument("--lock", default=None, help="an exclusive flock held during the capture and each run only")
     p.add_argument("--from-rows", default=None, help="re-tabulate rows.json files (comma-separated); trains nothing")
     p.add_argument("--out", default=None)
@@ -369,6 +371,10 @@ def main() -> int:
                     print(f"  layer {layer}, {budget:,} tokens, seed {seed}: {len(settings)} kinds "
                           f"[{'reused' if seconds is None else f'{seconds:.0f}s'}]", flush=True)
                     rows += collect(metrics_of, settings, Path(tree["output_dir"]), seconds)
+                    if not args.keep_weights:  # 0.5 GB per SmolLM2 folder; the rows need only metrics.json
+                        for folder in Path(tree["output_dir"]).iterdir():
+                            if folder.is_dir():
+                                (folder / "model.safetensors").unlink(missing_ok=True)
                     (root / "rows.partial.json").write_text(json.dumps(rows), encoding="utf-8")
         capture_line = "capture live in every run (no cache)"
         if cache is not None:
