@@ -10,7 +10,7 @@ Stages, each timed alone on the machine it runs on (hold the cores: `--lock`):
 From the rates, what each budget of real_model.py costs per (layer, seed) run with every kind, and the next 4x.
 
     python benchmarks/real_model_stages.py --model SMOLLM2_DIR --corpus DOMAINS_DIR --cache-dir CACHE \
-        --layers 5,15,25 --budget 1048576 --layer 15 --steps 32 --runs-dir RUNS --lock /tmp/expertize-cpu.lock
+        --layers 5,15,25 --budget 1048576 --layer 15 --steps 64 --runs-dir RUNS --lock /tmp/expertize-cpu.lock
 """
 
 import argparse
@@ -44,14 +44,12 @@ def train_rates(args, cache: Path, tokens: int, lines: list[str]) -> dict[str, f
     for kind in args.kinds.split(","):
         for precision in PRECISIONS:
             tree = kind_tree(args, cache, kind, precision)
-            start = time.perf_counter()
-            run_variants(tree, "benchmarks/real_model_stages.py")
-            wall = time.perf_counter() - start
+            _, wall = run_variants(tree, "benchmarks/real_model_stages.py")  # wall None: reused (not timed here)
             train = train_seconds(Path(tree["output_dir"]) / kind)
             rates[f"{kind}-{precision}"] = tokens / train
             lines.append(f"| train | {kind} | {precision} | {tokens:,} | {train:.1f} | {tokens / train:,.0f} |")
             lines.append(f"| evaluate and write | {kind} | {precision} | {args.eval_tokens:,} held out | "
-                         f"{wall - train:.1f} | – |")
+                         f"{'reused' if wall is None else f'{wall - train:.1f}'} | – |")
             print(lines[-2], flush=True)
     return rates
 
@@ -66,7 +64,7 @@ def main() -> int:
     p.add_argument("--layers", default="5,15,25", help="the layers the cache was captured at")
     p.add_argument("--budget", type=int, default=1_048_576, help="the cache's training tokens")
     p.add_argument("--layer", type=int, default=15)
-    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--steps", type=int, default=64)
     p.add_argument("--kinds", default=",".join(KINDS))
     p.add_argument("--eval-tokens", type=int, default=8_192)
     p.add_argument("--device", default="cpu")
@@ -93,14 +91,16 @@ def main() -> int:
 
     layers = [int(x) for x in args.layers.split(",")]
     scratch = Path(args.runs_dir) / "capture-scratch"
-    if not scratch.exists():
+    timing = Path(args.runs_dir) / "capture-scratch.json"
+    if not timing.exists():
         tree = dict(base_tree(args, layers, tokens, 0), output_dir=str(Path(args.runs_dir) / "unused"))
         with cores(args.lock):
             start = time.perf_counter()
             capture_activations(recipe_from_dict(tree, source="benchmarks/real_model_stages.py"), scratch)
-            seconds = time.perf_counter() - start
-        lines.append(f"| capture alone ({len(layers)} layers) | – | fp32 | {tokens:,} | {seconds:.1f} | "
-                     f"{tokens / seconds:,.0f} |")
+            timing.write_text(json.dumps({"seconds": time.perf_counter() - start}), encoding="utf-8")
+    seconds = json.loads(timing.read_text(encoding="utf-8"))["seconds"]
+    lines.append(f"| capture alone ({len(layers)} layers) | – | fp32 | {tokens:,} | {seconds:.1f} | "
+                 f"{tokens / seconds:,.0f} |")
     with cores(args.lock):  # every training measurement in one hold of the cores
         rates = train_rates(args, cache, tokens, lines)
     fp32 = [rates[f"{k}-fp32"] for k in args.kinds.split(",")]
