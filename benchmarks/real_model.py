@@ -362,20 +362,23 @@ def main() -> int:
             Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
         cache = None if args.no_cache else ensure_cache(args, layers, budgets[-1])
         rows, started = [], time.perf_counter()
-        for budget in budgets:
-            for seed in seeds[: args.top_seeds] if budget == budgets[-1] else seeds:
-                for layer in layers:
-                    tree, settings = run_tree(args, cache, layer, budget, seed)
-                    with cores(args.lock):
-                        metrics_of, seconds = run_variants(tree, "benchmarks/real_model.py")
-                    print(f"  layer {layer}, {budget:,} tokens, seed {seed}: {len(settings)} kinds "
-                          f"[{'reused' if seconds is None else f'{seconds:.0f}s'}]", flush=True)
-                    rows += collect(metrics_of, settings, Path(tree["output_dir"]), seconds)
-                    if not args.keep_weights:  # 0.5 GB per SmolLM2 folder; the rows need only metrics.json
-                        for folder in Path(tree["output_dir"]).iterdir():
-                            if folder.is_dir():
-                                (folder / "model.safetensors").unlink(missing_ok=True)
-                    (root / "rows.partial.json").write_text(json.dumps(rows), encoding="utf-8")
+        # seed-major: every budget and depth at the first seed before the next seed, so that an interrupted run
+        # (it resumes) already shows the trend, and the later seeds add the intervals
+        order = [(seed, budget) for seed in seeds for budget in budgets
+                 if budget != budgets[-1] or seed in seeds[: args.top_seeds]]
+        for seed, budget in order:
+            for layer in layers:
+                tree, settings = run_tree(args, cache, layer, budget, seed)
+                with cores(args.lock):
+                    metrics_of, seconds = run_variants(tree, "benchmarks/real_model.py")
+                print(f"  layer {layer}, {budget:,} tokens, seed {seed}: {len(settings)} kinds "
+                      f"[{'reused' if seconds is None else f'{seconds:.0f}s'}]", flush=True)
+                rows += collect(metrics_of, settings, Path(tree["output_dir"]), seconds)
+                if not args.keep_weights:  # 0.5 GB per SmolLM2 folder; the rows need only metrics.json
+                    for folder in Path(tree["output_dir"]).iterdir():
+                        if folder.is_dir():
+                            (folder / "model.safetensors").unlink(missing_ok=True)
+                (root / "rows.partial.json").write_text(json.dumps(rows), encoding="utf-8")
         capture_line = "capture live in every run (no cache)"
         if cache is not None:
             captured = json.loads((Path(args.cache_dir) / "capture.json").read_text(encoding="utf-8"))[cache.name]
