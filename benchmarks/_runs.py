@@ -29,10 +29,13 @@ def run_upcycle(tree: dict, source: str) -> tuple[dict, float | None, list[str]]
 
 def load_rows(paths: str, key) -> tuple[list[dict], str]:
     """The rows of comma-separated rows.json files (a benchmark's --from-rows) and their budget lines joined; a row
-    whose `key(row)` an earlier file already gave is read once (a run folder listed twice)."""
+    whose `key(row)` an earlier file already gave is read once (a run folder listed twice). A rows.partial.json (the
+    rows an unfinished benchmark has so far: a plain list) reads as such, its budget line saying so."""
     rows, seen, budgets = [], set(), []
     for path in paths.split(","):
         saved = json.loads(Path(path).read_text(encoding="utf-8"))
+        if isinstance(saved, list):
+            saved = {"rows": saved, "budget": f"{path}: the rows of an unfinished run ({len(saved)} so far)"}
         budgets.append(saved["budget"])
         for r in saved["rows"]:
             if key(r) not in seen:
