@@ -365,6 +365,15 @@ class CltLayer(JumpReluTranscoderLayer):
 
     sparse_coder = SparseLayer.sparse_coder  # None: no layer of a CLT is a coder alone (the spec says why)
 
+    def decoder_from(self, source: int) -> torch.Tensor:
+        """(L, O), detached: what the latents of model layer `source` (one of `spec.sources`) write into this layer's
+        output, per unit of their value. The view the exporters read (circuit-tracer's W_dec_i, SAELens's per-layer
+        W_dec and cross_layer_decoders), so that no caller indexes W_dec's source order itself."""
+        sources = self.spec.sources if self.spec.sources is not None else [source]
+        if source not in sources:
+            raise ValueError(f"layer {self.index} of this CLT reads sources {sources}, not layer {source}")
+        return self.W_dec[sources.index(source)].detach()
+
     def reset_parameters(self) -> None:
         """The encoder as the JumpReLU transcoder's; the decoders into this layer U(±1/√(L·S)) from each of its S
         sources, so that their sum starts at a transcoder's scale. Only `nn.init` calls, which transformers keeps

@@ -63,6 +63,18 @@ def test_every_layer_adds_what_each_earlier_layer_writes_into_it():
         assert layers[1].spec.sources == [0, 1] and (activations(layers[0], seen[0][0]) != 0).any()
 
 
+def test_decoder_from_is_each_sources_write_by_model_layer_index():
+    """`decoder_from(s)`, the exporters' view: the decoder of source layer s (a model layer index, not a row number),
+    so a CLT placed at layers 2 and 4 gives layer 4's W_dec rows by source; a layer that is no source is refused."""
+    layers = clt_layers((2, 4))
+    assert layers[4].spec.sources == [2, 4]
+    assert torch.equal(layers[4].decoder_from(2), layers[4].W_dec[0].detach())
+    assert torch.equal(layers[4].decoder_from(4), layers[4].W_dec[1].detach())
+    assert torch.equal(layers[2].decoder_from(2), layers[2].W_dec[0].detach())
+    with pytest.raises(ValueError, match=r"reads sources \[2\], not layer 4"):
+        layers[2].decoder_from(4)
+
+
 def test_ablating_a_latent_removes_it_from_every_later_layer():
     model = splice(tiny_base_model("llama"), clt_layers()).eval()
     ids = torch.randint(4, 99, (1, 6), generator=torch.Generator().manual_seed(1))

@@ -182,8 +182,8 @@ def write_circuit_tracer_clt(layers: dict, folder: Path, *, model_name: str, sca
             f"b_dec_{i}": layer.b_dec.detach(),  # (d,): layer i's output bias
             f"threshold_{i}": layer.threshold.detach(),  # (L,)
         }
-        # layers[j].W_dec[i] (L, d) is what layer i's latents write into layer j (its sources are 0..j)
-        decoder = {f"W_dec_{i}": torch.stack([layers[j].W_dec.detach()[i] for j in range(i, n)], dim=1)}  # (L, n-i, d)
+        # what layer i's latents write into each layer j >= i: (L, n-i, d)
+        decoder = {f"W_dec_{i}": torch.stack([layers[j].decoder_from(i) for j in range(i, n)], dim=1)}
         for name, tensors in ((f"W_enc_{i}", encoder), (f"W_dec_{i}", decoder)):
             path = folder / f"{name}.safetensors"
             save_file({key: t.contiguous().float().cpu() for key, t in tensors.items()}, str(path))

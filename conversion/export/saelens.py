@@ -150,8 +150,7 @@ def write_saelens_clt(layers: dict, folder: Path, *, model_name: str, prepend_bo
         layer = layers[i]
         d_sae, d_in = layer.W_enc.shape
         d_out = layer.b_dec.shape[0]
-        # layers[j].W_dec[i] (L, O) is what layer i's latents write into layer j (its sources are 0..j)
-        tensors = {"W_enc": layer.W_enc.T, "b_enc": layer.b_enc, "W_dec": layer.W_dec[i], "b_dec": layer.b_dec,
+        tensors = {"W_enc": layer.W_enc.T, "b_enc": layer.b_enc, "W_dec": layer.decoder_from(i), "b_dec": layer.b_dec,
                    "threshold": layer.threshold}
         extra = {"expertize_target_l0": int(layer.spec.k), "expertize_cross_layer": {
             "layer": i, "writes_to": list(range(i, n)),
@@ -160,7 +159,7 @@ def write_saelens_clt(layers: dict, folder: Path, *, model_name: str, prepend_bo
         config = _config(ARCHITECTURES["jumprelu", False], int(d_in), int(d_sae), int(d_out), i, model_name,
                          prepend_bos, extra)
         out = _write(folder / input_hook(i), tensors, config)
-        later = {f"W_dec_to_{j}": layers[j].W_dec[i] for j in range(i + 1, n)}  # (L, O) each
+        later = {f"W_dec_to_{j}": layers[j].decoder_from(i) for j in range(i + 1, n)}  # (L, O) each
         if later:
             _save(later, out / "cross_layer_decoders.safetensors")
         written.append(out)
