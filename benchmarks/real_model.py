@@ -263,9 +263,11 @@ def plot(rows: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     groups = groups_of(rows)
     panels = sorted({key[:2] for key in groups})
+    budgets = sorted({key[2] for key in groups})
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         for i, variant in enumerate(v for v in KINDS if v != "transcoder"):
@@ -283,6 +285,9 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.set_xlim(min(budgets) / 1.5, max(budgets) * 1.5)  # every panel on the same budget axis
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.2f"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.2f"))
         ax.set_xlabel("training tokens")
         ax.set_ylabel("KL / TopK transcoder's (same tokens)")
         ax.set_title(f"{panel[0]}, layer {panel[1]}", fontsize=9)
