@@ -75,7 +75,6 @@ from expertize.conversion.recipe import load_recipe, recipe_from_dict, recipe_to
 from expertize.conversion.training.compute import matmul_precision
 from expertize.conversion.device import make_accelerator
 from expertize.conversion.training.distill import Trainer
-from expertize.conversion.training.engine import rng_state
 from expertize.modeling import build_sparse_layer
 
 POOL_STEPS = 64
@@ -100,18 +99,17 @@ def pipeline(recipe, *, progress: bool, profile: int = 0) -> dict:
     for run_recipe, folder in runs:
         folder.claim(recipe_to_dict(run_recipe))
     base = up.load_base(plans[0], accelerator.device)
-    trained = []
+    built = []
     for plan in plans:
         torch.manual_seed(plan.recipe.train.seed)
-        trained.append(up.build_layers(plan, base, accelerator))
-        trained[-1].rng = rng_state()
+        built.append(up.build_layers(plan, base, accelerator))  # its RNG state taken as upcycle's
     profiler = cProfile.Profile() if profile else None
 
     def distil():
         if profiler is not None:
             profiler.enable()
         try:
-            return up.distil(plans, base, trained, folders, accelerator, progress=progress, say=say)
+            return up.distil(plans, base, built, folders, accelerator, progress=progress, say=say)[1]
         finally:
             if profiler is not None:
                 profiler.disable()
