@@ -225,12 +225,12 @@ def _run(plans: list[RunPlan], folders: list[RunFolder], accelerator, *, progres
     if not accelerator.is_main_process:
         return
     memo = AblationMemo(share_base=len(plans) > 1)  # the variants' base and ablated eval forwards: computed once
-    for plan, layers, run, folder in zip(plans, built, distilled, folders):
+    for plan, made, trained, folder in zip(plans, built, distilled, folders):
         if folder.root.name in diverged:
             continue
-        set_rng_state(run.rng)  # healing draws from this run's RNG, as it would alone (e.g. LoRA's init)
-        healed = heal(plan, base, layers, folder, accelerator, progress=progress, say=say)
-        publish(plan, base, layers, run, healed, folder, accelerator, progress=progress, say=say, ablation_memo=memo)
+        set_rng_state(trained.rng)  # healing draws from this run's RNG, as it would alone (e.g. LoRA's init)
+        healed = heal(plan, base, made, folder, accelerator, progress=progress, say=say)
+        publish(plan, base, made, trained, healed, folder, accelerator, progress=progress, say=say, ablation_memo=memo)
         if not is_dispatched(base):
             # publish saves from the base moved to the CPU in float32; the next variant evaluates on the run's device.
             base.to(device=accelerator.device, dtype=getattr(torch, plan.recipe.dtype))
