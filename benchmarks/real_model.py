@@ -21,7 +21,7 @@ Protocol:
 - Time: the capture's seconds (cache-dir/capture.json) and each run's training seconds (its train_log, all kinds
   together) and wall seconds.
 
-Run (SmolLM2-135M-Instruct: ../shared/tools/get_smollm2.py DIR; five domains: ../shared/tools/domain_corpora.py DIR):
+Run (SmolLM2-135M-Instruct: benchmarks/data/get_smollm2.py DIR; five domains: benchmarks/data/domain_corpora.py DIR):
     python benchmarks/real_model.py --model SMOLLM2_DIR --corpus DOMAINS_DIR --layers 5,15,25 \
         --budgets 65536,262144,1048576 --seeds 0,1,2 --top-seeds 2 --cache-dir CACHE --runs-dir RUNS \
         --lock /tmp/expertize-cpu.lock
