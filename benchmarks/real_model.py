@@ -92,7 +92,8 @@ def base_tree(args, layers: list[int], tokens: int, seed: int) -> dict:
         "data": {"source": source, "paths": paths, "context_length": CONTEXT, "train_tokens": tokens,
                  "eval_tokens": args.eval_tokens, "eval_fraction": EVAL_FRACTION,
                  **({"document_separator": args.separator} if source == "text" else {})},
-        "train": {**TRAIN, "seed": seed, "warmup_steps": max(1, steps // 10), "device": args.device,
+        "train": {**TRAIN, "seed": seed, "warmup_steps": max(1, steps // 10) if steps > 1 else 0,
+                  "device": args.device,
                   "tokens_per_step": args.tokens_per_step, "precision": args.precision},
         "eval": EVAL,
     }
