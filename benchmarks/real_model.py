@@ -75,12 +75,11 @@ def corpus_paths(spec: str) -> tuple[str, list[str]]:
 
 
 def mlp_width(model: str) -> int:
-    """The dense MLP's hidden width W (Llama / NeoX intermediate_size, GPT-2 n_inner or 4 n_embd)."""
-    config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
-    for key in ("intermediate_size", "n_inner", "ffn_dim"):
-        if config.get(key):
-            return int(config[key])
-    return 4 * int(config.get("n_embd") or config["hidden_size"])
+    """The dense MLP's hidden width W, as expertize reads it for the model's family (`families.mlp_shape`)."""
+    from expertize.conversion.surgery.families import mlp_shape
+    from transformers import AutoConfig
+
+    return mlp_shape(AutoConfig.from_pretrained(model)).d_hidden
 
 
 def base_tree(args, layers: list[int], tokens: int, seed: int) -> dict:
@@ -155,12 +154,11 @@ def run_tree(args, cache: Path | None, layer: int, tokens: int, seed: int) -> tu
 
 
 def train_seconds(folder: Path) -> float | None:
-    """The training loop's seconds from the run's train_log (its last record)."""
-    log = folder / "train_log.jsonl"
-    if not log.exists():
-        return None
-    lines = log.read_text(encoding="utf-8").strip().splitlines()
-    return json.loads(lines[-1]).get("seconds") if lines else None
+    """The training loop's seconds from the run's train_log (its last record; None without one)."""
+    from expertize.conversion.training.log import JsonlLog
+
+    last = JsonlLog(folder / "train_log.jsonl").last()
+    return None if last is None else last.get("seconds")
 
 
 def collect(metrics_of: dict, settings: list[dict], root: Path, seconds: float | None) -> list[dict]:
