@@ -25,6 +25,7 @@ from transformers import (
 # Every bundle file must be a *direct* relative import of both entry files: transformers before PR #46022 (all of 4.x)
 # copies only the entry file's direct relative imports into the module cache when loading from a local folder.
 from .jumprelu_transcoders import JumpReluTranscoderSpec  # noqa: F401
+from .latent_coder import LatentCoderSpec  # noqa: F401
 from .moe_x import MoeXSpec  # noqa: F401
 from .monet import MonetSpec  # noqa: F401
 from .mumoe import MuMoESpec  # noqa: F401

@@ -10,12 +10,13 @@ The transcoder form (Dunefsky et al. 2024) with the JumpReLU activation of Gemma
     a = JumpReLU_θ(W_enc x + b_enc) = pre · 1[pre > θ]     over L latents, θ > 0 per latent
     y = W_decᵀ a + b_dec  (+ W_skip x)
 
-Shapes as in transcoder.py: W_enc (L, I); b_enc (L,); threshold_exponent (L,); W_dec (L, O); b_dec (O,);
-W_skip (O, I). θ = exp(THRESHOLD_RATE · threshold_exponent): Adam moves a parameter by about the learning rate per
-step whatever its gradient's scale, so with θ = exp(p) the thresholds change by ~1 % per step while the encoder's
-rows move by several %: the encoder pushed the pre-activations down under still thresholds and the L0 sank to under
-half its target (stories260k, every layer, k = 16: L0 5-8 after 200 steps, whatever sparsity_coef). With the
-factor 10, log θ moves ~10x the learning rate and the L0 holds its target (16.2; FVU 0.259 against 0.262 at L0 6.8).
+Shapes as in latent_coder.py (the parameters, decoder, resampling and export view this kind shares with
+transcoder.py): W_enc (L, I); b_enc (L,); threshold_exponent (L,); W_dec (L, O); b_dec (O,); W_skip (O, I).
+θ = exp(THRESHOLD_RATE · threshold_exponent): Adam moves a parameter by about the learning rate per step whatever its
+gradient's scale, so with θ = exp(p) the thresholds change by ~1 % per step while the encoder's rows move by several %:
+the encoder pushed the pre-activations down under still thresholds and the L0 sank to under half its target
+(stories260k, every layer, k = 16: L0 5-8 after 200 steps, whatever sparsity_coef). With the factor 10, log θ moves
+~10x the learning rate and the L0 holds its target (16.2; FVU 0.259 against 0.262 at L0 6.8).
 
 How many latents fire varies from token to token (no TopK caps it). The code of a call lists, for every token, as
 many slots as the busiest token of the call needs, the largest values first; a token with fewer firing latents fills
@@ -60,10 +61,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .sparse_base import Coder, SparseLayer, linear_bound, uniform_
+from .latent_coder import LatentCoderLayer, LatentCoderSpec
+from .sparse_base import SparseLayer, linear_bound, uniform_
 from .sparse_code import SparseCode
-from .sparse_kernels import JumpReLU, JumpStep, decode_rows, sparse_rows_sum
-from .sparse_spec import SparseSpec, _require_bool, _require_int, _require_positive, arxiv_bibtex
+from .sparse_kernels import JumpReLU, JumpStep, sparse_rows_sum
+from .sparse_spec import _require_bool, _require_positive, arxiv_bibtex
 
 JUMPRELU_CITATION = arxiv_bibtex(
     "rajamanoharan2024jumprelu",
@@ -79,16 +81,14 @@ THRESHOLD_RATE = 10.0
 
 
 @dataclasses.dataclass
-class JumpReluTranscoderSpec(SparseSpec):
+class JumpReluTranscoderSpec(LatentCoderSpec):
     kind = "jumprelu_transcoder"
     title: ClassVar[str] = "JumpReLU transcoder"
-    unit_name: ClassVar[str] = "latent"
-    units_field: ClassVar[str] = "num_latents"
     activation_meaning: ClassVar[str] = "latent value JumpReLU(W_enc x + b_enc) = pre · 1[pre > threshold]"
     coder_activation: ClassVar[str | None] = "jumprelu"
     citation: ClassVar[str] = JUMPRELU_CITATION
-    num_latents: int
-    """L: dictionary size."""
+    extra_per_latent: ClassVar[int] = 1  # the threshold
+    k_bound: ClassVar[str] = "the target L0 cannot exceed the latents that exist"
     k: int = 32
     """The target L0: the mean number of firing latents per token the sparsity loss steers to."""
     skip_connection: bool = False
@@ -101,89 +101,37 @@ class JumpReluTranscoderSpec(SparseSpec):
 
     def validate(self) -> None:
         super().validate()
-        _require_int(self, "num_latents")
-        _require_int(self, "k")
         _require_bool(self, "skip_connection")
         _require_positive(self, "sparsity_coef")
         _require_positive(self, "bandwidth")
-        if self.k > self.num_latents:
-            raise ValueError(
-                f"{self.kind}.k={self.k} exceeds {self.kind}.num_latents={self.num_latents}: the target L0 cannot "
-                "exceed the latents that exist; lower k or raise num_latents"
-            )
-
-    @classmethod
-    def matched_size(cls, fields: dict, num_latents: int, convention: str) -> int:
-        """Matched to a TopK transcoder of `num_latents` latents: exactly that many (the threshold vector is the
-        only addition; a skip path comes on top, as for the skip transcoder)."""
-        return num_latents
-
-    def num_parameters(self) -> int:
-        I, O, L = self.d_in, self.d_out, self.num_latents
-        return L * (I + 2) + L * O + O + (I * O if self.skip_connection else 0)
-
-    def active_parameters(self) -> int:
-        I, O, L = self.d_in, self.d_out, self.num_latents
-        return L * (I + 2) + self.k * O + O + (I * O if self.skip_connection else 0)
-
-    def flops_per_token(self) -> int:
-        I, O, L = self.d_in, self.d_out, self.num_latents
-        return 2 * (I * L + self.k * O + (I * O if self.skip_connection else 0)) + O
 
 
-class JumpReluTranscoderLayer(SparseLayer):
+class JumpReluTranscoderLayer(LatentCoderLayer):
     """JumpReLU transcoder; `W_skip` when `spec.skip_connection`."""
 
     spec: JumpReluTranscoderSpec
     l0_is_trained_target = True  # spec.k: the sparsity loss steers the mean L0 there
 
-    def __init__(self, spec: JumpReluTranscoderSpec) -> None:
-        super().__init__(spec)
-        I, O, L = spec.d_in, spec.d_out, spec.num_latents
-        self.W_enc = nn.Parameter(torch.empty(L, I))
-        self.b_enc = nn.Parameter(torch.empty(L))
-        self.threshold_exponent = nn.Parameter(torch.empty(L))
-        self.W_dec = nn.Parameter(torch.empty(L, O))
-        self.b_dec = nn.Parameter(torch.empty(O))
-        self.W_skip = nn.Parameter(torch.empty(O, I)) if spec.skip_connection else None
-        self.b_select = None
-        self.reset_parameters()
+    def _add_per_latent_parameters(self, num_latents: int) -> None:
+        self.threshold_exponent = nn.Parameter(torch.empty(num_latents))
 
-    @property
-    def num_units(self) -> int:
-        return self.spec.num_latents
+    def _reset_per_latent_parameters(self) -> None:
+        """θ = 1e-3 (Gemma Scope's start) until the first training batch sets it (`init_from_inputs`)."""
+        nn.init.constant_(self.threshold_exponent, math.log(1e-3) / THRESHOLD_RATE)
 
-    @property
-    def output_bias(self) -> nn.Parameter:
-        return self.b_dec
+    def _resample_per_latent_parameters(self, units: torch.Tensor, live: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Resampled latents' thresholds drop to the live latents' median, so they fire where they now point."""
+        if live.any():
+            self.threshold_exponent[units] = self.threshold_exponent[live].median()
+        return {"threshold_exponent": units}
 
     @property
     def threshold(self) -> torch.Tensor:
         """θ (L,) > 0: a latent fires where its pre-activation exceeds it."""
         return (THRESHOLD_RATE * self.threshold_exponent).exp()
 
-    def output_directions(self) -> torch.Tensor:
-        return self.W_dec.detach()  # (L, O)
-
-    def sparse_coder(self) -> Coder:
-        skip = None if self.W_skip is None else self.W_skip.detach()
-        return Coder(self.W_enc.detach(), self.b_enc.detach(), self.W_dec.detach(), self.b_dec.detach(), skip,
-                     "jumprelu", int(self.spec.k), threshold=self.threshold.detach())
-
-    def reset_parameters(self) -> None:
-        """nn.Linear defaults for the encoder and decoder (as the TopK transcoder); b_enc = b_dec = 0; θ = 1e-3
-        (Gemma Scope's start) until the first training batch sets it (`init_from_inputs`). With a skip path W_dec and
-        W_skip start at 0 (Paulo et al.)."""
-        I, L = self.spec.d_in, self.spec.num_latents
-        uniform_(self.W_enc, linear_bound(I))
-        nn.init.zeros_(self.b_enc)
-        nn.init.constant_(self.threshold_exponent, math.log(1e-3) / THRESHOLD_RATE)
-        if self.W_skip is not None:
-            nn.init.zeros_(self.W_dec)
-            nn.init.zeros_(self.W_skip)
-        else:
-            uniform_(self.W_dec, linear_bound(L))
-        nn.init.zeros_(self.b_dec)
+    def _coder_threshold(self) -> torch.Tensor:
+        return self.threshold
 
     @torch.no_grad()
     def init_from_inputs(self, x: torch.Tensor) -> list[nn.Parameter]:
@@ -219,24 +167,6 @@ class JumpReluTranscoderLayer(SparseLayer):
         values, index = acts.topk(width, dim=-1)  # (T, W) each, largest first
         return self._hook_code(index, values, lead)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return decode_rows(self.encode(hidden_states), self.W_dec, self.b_dec, hidden_states, self.W_skip)
-
-    supports_resampling = True
-
-    @torch.no_grad()
-    def resample_units(self, units: torch.Tensor, x: torch.Tensor, error: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Dead latents' encoder rows point at their inputs x (scaled to the live rows' mean norm, b_enc 0) and their
-        thresholds drop to the live latents' median, so they fire there; decoder rows start at 0 (the output is
-        unchanged until the decoder gradient moves them)."""
-        live = torch.ones(self.spec.num_latents, dtype=torch.bool, device=units.device)
-        live[units] = False
-        self._point_rows(self.W_enc, units, x, live)
-        self.b_enc[units] = 0
-        if live.any():
-            self.threshold_exponent[units] = self.threshold_exponent[live].median()
-        self.W_dec[units] = 0
-        return {"W_enc": units, "b_enc": units, "threshold_exponent": units, "W_dec": units}
 
 class CrossLayerError(RuntimeError):
     """A CLT layer run out of order, without its sources, or linked to layers that are not its CLT's."""

@@ -59,6 +59,7 @@ from .configuration_expertize import (
     ExpertizeStableLmConfig,
 )
 from .jumprelu_transcoders import link_cross_layer
+from .latent_coder import LatentCoderLayer  # noqa: F401
 from .moe_x import MoeXLayer  # noqa: F401
 from .monet import MonetLayer  # noqa: F401
 from .mumoe import MuMoELayer  # noqa: F401

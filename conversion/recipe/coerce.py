@@ -260,7 +260,16 @@ def plain(value: Any) -> Any:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The attribute docstrings of a dataclass, by field name (for --help and error messages)."""
+    """The attribute docstrings of a dataclass, by field name (for --help and error messages), its bases' included:
+    a field a class restates takes the class's own words."""
+    docs = {}
+    for owner in reversed(cls.__mro__[:-1]):  # object has no source
+        docs.update(_own_field_docs(owner))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings written in `cls`'s own body."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):
