@@ -14,6 +14,8 @@ Protocol:
 - Kinds (KINDS) at the 8x TopK transcoder's parameter count (`match_transcoder: 8`), K = 32 (the JumpReLU's target
   L0 32): transcoder, skip_transcoder, jumprelu_transcoder, mxd (expertize's default, H = W/2), mxd-paper (H = W,
   the paper's), moe_x (the all-kinds benchmark's settings). lr auto, warm-up a tenth of the steps, cosine to 0.1.
+  Opt-in: jumprelu_transcoder-resample (dead latents resampled, `train.resample_every_tokens: auto`; issue 47).
+- The cache: any folder in --cache-dir that holds the run's layers (and more) and as many tokens (or more) is used.
 - Columns: mean over seeds ± the 95 % Student-t half-width; "KL / transcoder" the per-seed ratio to the transcoder of
   the same run (paired), mean [95 % interval]. The trend: per (layer, kind), a least-squares line of log(KL ratio)
   against log4(budget) over every seed's point, its slope per 4x with a 95 % interval; where the slope's interval
@@ -57,7 +59,10 @@ KINDS = {
     "mxd": {"kind": "mxd"},
     "mxd-paper": {"kind": "mxd", "d_hidden": "W"},
     "moe_x": {"kind": "moe_x", "k": 2, "options": {"d_expert": 64}},
+    # not in the default --kinds: a liveness setting of issue 47 ("train" overrides the run's train section)
+    "jumprelu_transcoder-resample": {"kind": "jumprelu_transcoder", "train": {"resample_every_tokens": "auto"}},
 }
+DEFAULT_KINDS = ("transcoder", "skip_transcoder", "jumprelu_transcoder", "mxd", "mxd-paper", "moe_x")
 TRAIN = {"schedule": "cosine", "min_lr_ratio": 0.1, "tokens_per_step": 1024, "loss": "nmse", "precision": "fp32",
          "grad_clip": 1.0, "checkpoint_every": 0, "log_every": 20, "device": "cpu", "capture_batch_sequences": 16,
          "shuffle_buffer_tokens": 65_536}
@@ -113,6 +118,16 @@ def cores(lock: str | None):
             time.sleep(2)  # a job waiting on the lock gets it before this benchmark's next run takes it back
 
 
+def find_cache(root: Path, model: str, layers: list[int], tokens: int) -> Path | None:
+    """A cache in `root` of `model` at these layers (and perhaps more) of `tokens` tokens or more (a run reads a
+    prefix of its stream), the first by name; None when none holds them."""
+    for cached in sorted(root.glob(f"{model}-l*-*")):
+        held, _, size = cached.name[len(model) + 2:].rpartition("-")
+        if size.isdigit() and int(size) >= tokens and set(layers) <= {int(x) for x in held.split("-") if x.isdigit()}:
+            return cached
+    return None
+
+
 def ensure_cache(args, layers: list[int], tokens: int) -> Path:
     """The activation cache of `tokens` training tokens at every layer in `layers` (captured once; the capture's
     seconds go to cache-dir/capture.json)."""
@@ -121,8 +136,9 @@ def ensure_cache(args, layers: list[int], tokens: int) -> Path:
 
     root = Path(args.cache_dir)
     folder = root / f"{Path(args.model).name}-l{'-'.join(map(str, layers))}-{tokens}"
-    if folder.exists():
-        return folder
+    cached = find_cache(root, Path(args.model).name, layers, tokens)
+    if cached is not None:
+        return cached
     tree = dict(base_tree(args, layers, tokens, 0), output_dir=str(root / "unused"))
     print(f"  capturing layers {layers} of {args.model}, {tokens:,} tokens, into {folder} ...", flush=True)
     with cores(args.lock):
@@ -143,10 +159,12 @@ def run_tree(args, cache: Path | None, layer: int, tokens: int, seed: int) -> tu
     tree["output_dir"] = str(Path(args.runs_dir) / f"l{layer}-b{tokens}-s{seed}")
     width, variants, settings = mlp_width(args.model), [], []
     for name in args.kinds.split(","):
-        layer_section = {"k": K, "match_transcoder": MATCH_TRANSCODER, **KINDS[name]}
+        section = dict(KINDS[name])
+        train = section.pop("train", None)
+        layer_section = {"k": K, "match_transcoder": MATCH_TRANSCODER, **section}
         if layer_section.get("d_hidden") == "W":
             layer_section["d_hidden"] = width
-        variants.append({"name": name, "layer": layer_section})
+        variants.append({"name": name, "layer": layer_section, **({"train": train} if train else {})})
         settings.append({"model": Path(args.model).name, "layer": layer, "budget": tokens, "seed": seed,
                          "variant": name, "kind": layer_section["kind"]})
     tree["variants"] = variants
@@ -310,7 +328,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--eval-tokens", type=int, default=EVAL_TOKENS, help="held-out tokens per evaluation")
     p.add_argument("--top-seeds", type=int, default=2, help="seeds at the largest budget (the first of --seeds)")
-    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--kinds", default=",".join(DEFAULT_KINDS), help=f"any of {', '.join(KINDS)}")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--runs-dir", default=None)
     p.add_argument("--no-cache", action="store_true",

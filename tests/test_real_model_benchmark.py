@@ -35,6 +35,21 @@ def test_bad_arguments_are_refused_before_any_work(tmp_path, args, message):
     assert not (tmp_path / "cache").exists() and not (tmp_path / "runs").exists()
 
 
+def test_a_cache_of_more_layers_and_more_tokens_serves_a_smaller_run(tmp_path, monkeypatch):
+    """A run of one layer at a smaller budget reads the cache captured for three layers at the top budget (a prefix
+    of its stream) instead of capturing again; a cache missing a layer or short of tokens is not taken."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from real_model import find_cache
+
+    for name in ("smollm2-l5-15-25-1048576", "smollm2-l15-1000", "other-l6-9999999"):
+        (tmp_path / name).mkdir()
+    assert find_cache(tmp_path, "smollm2", [15], 262_144).name == "smollm2-l5-15-25-1048576"
+    assert find_cache(tmp_path, "smollm2", [5, 25], 1_048_576).name == "smollm2-l5-15-25-1048576"
+    assert find_cache(tmp_path, "smollm2", [15], 1000).name == "smollm2-l15-1000"  # the first that fits, by name
+    assert find_cache(tmp_path, "smollm2", [15], 2_000_000) is None  # too few tokens
+    assert find_cache(tmp_path, "smollm2", [6], 1000) is None  # layer 6 is only in another model's cache
+
+
 @pytest.mark.slow
 def test_a_model_it_was_never_tuned_on_runs_from_the_cli_and_its_rows_regenerate_the_table(tmp_path):
     """tiny-gpt2-shakespeare (GPT-2: Conv1D MLP, biases, GELU) where the benchmark was written for SmolLM2 (Llama):
