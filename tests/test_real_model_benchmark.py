@@ -71,3 +71,77 @@ def test_a_model_it_was_never_tuned_on_runs_from_the_cli_and_its_rows_regenerate
     assert sorted(p.name for p in caches) == ["capture.json", "tiny-gpt2-shakespeare-l1-3-4096"]
     again = run("--from-rows", str(tmp_path / "runs" / "rows.json"), "--out", str(tmp_path / "again.md"), cwd=tmp_path)
     assert again.returncode == 0 and (tmp_path / "again.md").read_text(encoding="utf-8") == table
+
+
+LM_EVAL_SCRIPT = REPO / "benchmarks" / "real_model_lm_eval.py"
+
+
+def two_domains(folder: Path) -> Path:
+    """A corpus folder of two real domains as JSON lines: the play's speeches and wikitext's lines."""
+    import json
+
+    data = shared_data_dir() / "corpora"
+    folder.mkdir()
+    speeches = (data / "tinyshakespeare.txt").read_text(encoding="utf-8").split("\n\n")
+    lines = [x.strip() for x in (data / "wikitext2_test.raw").read_text(encoding="utf-8").splitlines()
+             if len(x.strip()) > 200]
+    for name, docs in (("plays", speeches[:1500]), ("wiki", lines[:1500])):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs),
+                                              encoding="utf-8")
+    return folder
+
+
+@pytest.mark.slow
+def test_the_whole_model_table_splices_the_trained_layers_and_scores_them_as_the_harness_does(tmp_path):
+    """benchmarks/real_model_lm_eval.py after a --keep-weights run: one folder per kind with both trained layers
+    spliced in and every other weight the base's; its bits per byte and accuracy recomputed from the harness's
+    per-document samples equal the harness's own aggregates, and every difference sits inside its interval."""
+    import json
+
+    import torch
+    from expertize.conversion.surgery.splice import load_expertize_model
+    from transformers import AutoModelForCausalLM
+
+    model = shared_data_dir() / "models" / "tiny-gpt2-shakespeare"
+    corpus = two_domains(tmp_path / "domains")
+    trained = run("--model", str(model), "--corpus", str(corpus), "--layers", "1,3", "--budgets", "2048",
+                  "--seeds", "0", "--top-seeds", "1", "--kinds", "transcoder,mxd", "--eval-tokens", "1024",
+                  "--cache-dir", str(tmp_path / "cache"), "--runs-dir", str(tmp_path / "runs"), "--keep-weights",
+                  cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    done = subprocess.run(
+        [sys.executable, str(LM_EVAL_SCRIPT), "--model", str(model), "--corpus", str(corpus), "--runs-dir",
+         str(tmp_path / "runs"), "--layers", "1,3", "--budget", "2048", "--seed", "0", "--kinds", "transcoder,mxd",
+         "--docs", "8", "--chars", "600", "--out-dir", str(tmp_path / "out"), "--out", str(tmp_path / "table.md")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900,
+        env={"PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    composed = load_expertize_model(tmp_path / "out" / "models" / "mxd")
+    base = AutoModelForCausalLM.from_pretrained(model)
+    assert sorted(composed.sparse_layers()) == [1, 3]
+    for layer in (1, 3):
+        alone = load_expertize_model(tmp_path / "runs" / f"l{layer}-b2048-s0" / "mxd").sparse_layers()[layer]
+        for name, tensor in alone.state_dict().items():
+            assert torch.equal(composed.sparse_layers()[layer].state_dict()[name], tensor), (layer, name)
+    dense = {k: v for k, v in base.state_dict().items()
+             if not k.startswith(("transformer.h.1.mlp.", "transformer.h.3.mlp."))}
+    mine = composed.state_dict()
+    assert len(dense) > 20 and all(torch.equal(mine[k], v) for k, v in dense.items())
+
+    table = (tmp_path / "table.md").read_text(encoding="utf-8")
+    rows = [line.strip("| ").split(" | ") for line in table.splitlines()
+            if line.startswith(("| transcoder |", "| mxd |"))]
+    assert sorted((r[0], r[1]) for r in rows) == [(k, d) for k in ("mxd", "transcoder") for d in ("plays", "wiki")]
+    for kind in ("transcoder", "mxd"):
+        out = tmp_path / "out" / "lm_eval" / kind
+        results = json.loads(next((out / "model").glob("results_*.json")).read_text(encoding="utf-8"))["results"]
+        row = next(r for r in rows if r[0] == kind and r[1] == "wiki")
+        assert float(row[4]) == pytest.approx(results["held_wiki_ppl"]["bits_per_byte,none"], abs=5e-5)
+        assert float(row[8]) == pytest.approx(results["held_wiki_cloze"]["acc,none"], abs=5e-4)
+    for r in rows:  # each difference inside its own bootstrap interval
+        for delta in (r[5], r[9]):
+            point, bounds = delta.split(" [")
+            low, high = (float(x) for x in bounds.rstrip("]").split(", "))
+            assert low <= float(point) <= high, r
+    assert "L1 KL" in table and "L3 KL" in table
