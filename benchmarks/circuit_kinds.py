@@ -39,14 +39,31 @@ TRAIN = {"lr": "auto", "warmup_steps": "auto", "schedule": "cosine", "min_lr_rat
 EVAL = {"batch_sequences": 16, "generation_prompts": 0, "histogram": False}
 
 
-def tree(model: str, data: Path, tokens: int, k: int, seed: int, out: Path) -> dict:
+THRESHOLD_KINDS = ("jumprelu_transcoder", "clt")  # the kinds train.preact_coef acts on
+
+
+def variants(k: int, preact_coefs: list[float] | None) -> list[dict]:
+    """The kinds as variants; with `preact_coefs`, the threshold kinds once per coefficient (named kind-preactC),
+    so that the dead-latent handling is compared on the same stream."""
+    out = []
+    for kind in KINDS:
+        layer = {"kind": kind, "k": k, "match_transcoder": 16}
+        if preact_coefs and kind in THRESHOLD_KINDS:
+            out += [{"name": f"{kind}-preact{c:g}", "layer": layer, "train": {"preact_coef": c}} for c in preact_coefs]
+        else:
+            out.append({"name": kind, "layer": layer})
+    return out
+
+
+def tree(model: str, data: Path, tokens: int, k: int, seed: int, out: Path,
+         preact_coefs: list[float] | None = None) -> dict:
     folder, corpus, separator = MODELS[model]
     return {
         "base_model": str(data / folder), "dtype": "float32", "layers": "all",
         "layer": {"kind": "transcoder", "k": k, "match_transcoder": 16},
         "data": text_data(data / corpus, separator, 128, tokens, 32_768, 0),
         "train": {**TRAIN, "seed": seed}, "eval": EVAL,
-        "variants": [{"name": kind, "layer": {"kind": kind, "k": k, "match_transcoder": 16}} for kind in KINDS],
+        "variants": variants(k, preact_coefs),
         "output_dir": str(out),
     }
 
@@ -81,7 +98,7 @@ def table(rows: list[dict], budget: str) -> str:
              "code share |",
              "|---|---|---:|---|---|---|---|---:|---:|---:|"]
     for model in dict.fromkeys(r["model"] for r in rows):
-        for kind in KINDS:
+        for kind in dict.fromkeys(r["kind"] for r in rows if r["model"] == model):
             mine = [r for r in rows if r["model"] == model and r["kind"] == kind]
             if not mine:
                 continue
@@ -111,6 +128,8 @@ def main() -> int:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--tokens", type=int, default=163_840, help="training tokens per run")
     parser.add_argument("--k", type=int, default=16, help="TopK's K and the JumpReLU kinds' target L0")
+    parser.add_argument("--preact-coefs", help="train the JumpReLU kinds once per train.preact_coef, e.g. 1,0 "
+                        "(default: the recipe default only)")
     parser.add_argument("--runs-dir", help="keep the run folders here (reused when finished)")
     parser.add_argument("--out", help="write the table (markdown) here too")
     parser.add_argument("--from-rows", help="print the table of a finished run's rows.json (no training)")
@@ -126,12 +145,16 @@ def main() -> int:
     for model in args.models.split(","):
         for seed in (int(s) for s in args.seeds.split(",")):
             out = root / f"{model}-s{seed}"
-            metrics, seconds = run_variants(tree(model, Path(args.data), args.tokens, args.k, seed, out), str(out))
+            coefs = [float(c) for c in args.preact_coefs.split(",")] if args.preact_coefs else None
+            metrics, seconds = run_variants(tree(model, Path(args.data), args.tokens, args.k, seed, out, coefs),
+                                            str(out))
             rows += rows_of(model, seed, metrics, out)
             print(f"{model} seed {seed}: {'reused' if seconds is None else f'{seconds:.0f} s'}", file=sys.stderr)
     budget = (f"{args.tokens:,} training tokens per run (1,024 per step), every layer, k = {args.k}, "
-              f"16 x d_model latents, lr auto, seeds {args.seeds}; ± = 95 % t half-width over seeds, [paired "
-              "interval] of the per-seed ratio to the TopK transcoder on the same stream")
+              f"16 x d_model latents, lr auto, seeds {args.seeds}"
+              + (f", the JumpReLU kinds at train.preact_coef {args.preact_coefs}" if args.preact_coefs else "")
+              + "; ± = 95 % t half-width over seeds, [paired interval] of the per-seed ratio to the TopK transcoder "
+              "on the same stream")
     (root / "rows.json").write_text(json.dumps({"budget": budget, "rows": rows}, indent=1), encoding="utf-8")
     text = table(rows, budget)
     print(text)

@@ -25,6 +25,8 @@ Methods (recipe `train:` keys; every method sets every key, so that none inherit
     anneal  the floor during the first half of the run, its bias then decays linearly to 0 at 80 % and the last 20 %
             train plain top-K (balance: floor, balance_anneal: [0.5, 0.8]): the default since issue 28
     bias    DeepSeek-V3's symmetric rule held to the end; resample: Anthropic's resampling (auto); auxk: AuxK 1/32
+    preactC the pre-activation loss on dead latents at weight C (0.001 to 1; train.preact_coef, the threshold kinds'
+            default since issue 47); every other method sets preact_coef 0
 
 Columns, each the mean over seeds with its 95 % Student-t half-width (n - 1 degrees of freedom): dead = share of units
 that never fired on the held-out tokens; effective units = exp(entropy of the firings); L0 (and L0 / K); FVU; KL =
@@ -63,6 +65,10 @@ METHODS = {
     "auxk": {"auxk_coef": 1 / 32, "balance": "none", "balance_anneal": None, "resample_every_tokens": 0,
              "dead_window_tokens": "auto"},
 }
+for _method in METHODS.values():
+    _method["preact_coef"] = 0.0
+for _coef in (0.001, 0.003, 0.01, 0.1, 1.0):  # the pre-activation loss on dead latents (threshold kinds)
+    METHODS[f"preact{_coef:g}"] = {**METHODS["none"], "preact_coef": _coef, "dead_window_tokens": "auto"}
 TRAIN = {"warmup_steps": 50, "schedule": "cosine", "min_lr_ratio": 0.1, "tokens_per_step": 1024, "loss": "nmse",
          "precision": "fp32", "grad_clip": 1.0, "checkpoint_every": 0, "log_every": 20, "device": "cpu"}
 EVAL = {"batch_sequences": 16, "generation_prompts": 0, "histogram": False}

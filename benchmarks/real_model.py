@@ -14,7 +14,9 @@ Protocol:
 - Kinds (KINDS) at the 8x TopK transcoder's parameter count (`match_transcoder: 8`), K = 32 (the JumpReLU's target
   L0 32): transcoder, skip_transcoder, jumprelu_transcoder, mxd (expertize's default, H = W/2), mxd-paper (H = W,
   the paper's), moe_x (the all-kinds benchmark's settings). lr auto, warm-up a tenth of the steps, cosine to 0.1.
-  Opt-in: jumprelu_transcoder-resample (dead latents resampled, `train.resample_every_tokens: auto`; issue 47).
+  Opt-in: jumprelu_transcoder-resample (dead latents resampled, `train.resample_every_tokens: auto`; issue 47),
+  jumprelu_transcoder-nopreact (without the pre-activation loss on dead latents, `train.preact_coef: 0`: the JumpReLU
+  transcoder before issue 47's default).
 - The cache: any folder in --cache-dir that holds the run's layers (and more) and as many tokens (or more) is used.
 - Columns: mean over seeds ± the 95 % Student-t half-width; "KL / transcoder" the per-seed ratio to the transcoder of
   the same run (paired), mean [95 % interval]. The trend: per (layer, kind), a least-squares line of log(KL ratio)
@@ -61,6 +63,8 @@ KINDS = {
     "moe_x": {"kind": "moe_x", "k": 2, "options": {"d_expert": 64}},
     # not in the default --kinds: a liveness setting of issue 47 ("train" overrides the run's train section)
     "jumprelu_transcoder-resample": {"kind": "jumprelu_transcoder", "train": {"resample_every_tokens": "auto"}},
+    # ... and the JumpReLU transcoder as trained before issue 47's default (no pre-activation loss on dead latents)
+    "jumprelu_transcoder-nopreact": {"kind": "jumprelu_transcoder", "train": {"preact_coef": 0.0}},
 }
 DEFAULT_KINDS = ("transcoder", "skip_transcoder", "jumprelu_transcoder", "mxd", "mxd-paper", "moe_x")
 TRAIN = {"schedule": "cosine", "min_lr_ratio": 0.1, "tokens_per_step": 1024, "loss": "nmse", "precision": "fp32",

@@ -94,6 +94,12 @@ class SparseLayer(CodeInterventions, nn.Module):
         self.keep_for_auxk = False
         """Set by the trainer for a step in which AuxK runs: the training forward keeps what `auxk_reconstruction`
         would otherwise recompute (the dense pre-activations), and AuxK takes it."""
+        self.dead_for_preact: torch.Tensor | None = None
+        """Set by the trainer on kinds with `supports_preact_loss`: (N,) bool, the units dead so far. A training
+        forward then sets `preact_loss` from its own pre-activations (no second encoder pass)."""
+        self.preact_loss: torch.Tensor | None = None
+        """Scalar, unweighted: the last training forward's pre-activation loss on the dead units (see
+        `supports_preact_loss`); the trainer weights it by train.preact_coef."""
         self._kept: dict[str, Any] = {}
         self.selection_scale: torch.Tensor | None = None
         """Training forwards of layers with a selection bias: the mean |score| of the selected units (a scalar
@@ -242,6 +248,10 @@ class SparseLayer(CodeInterventions, nn.Module):
     supports_auxk = False
     """Whether dead units can model the residual error through `auxk_reconstruction` (AuxK, Gao et al. 2024;
     conversion/training/auxk.py): kinds whose units are chosen by a top-k over their own parameters."""
+
+    supports_preact_loss = False
+    """Whether a training forward with `dead_for_preact` set computes `preact_loss`: threshold kinds (JumpReLU, CLT),
+    whose dead latents get no gradient from the distillation loss and need a push up to their threshold."""
 
     def auxk_reconstruction(self, x: torch.Tensor, dead_mask: torch.Tensor, k_aux: int) -> torch.Tensor:
         """AuxK's ê: what the `k_aux` highest-ranked *dead* units (`dead_mask` (N,) bool) would add to the output for

@@ -206,7 +206,7 @@ def test_kinds_without_auxk_train_without_it_and_say_so(tmp_path):
     without = [kind for kind in KINDS if kind not in AUXK_KINDS]
     layers = {i: build_sparse_layer(tiny_spec(kind)) for i, kind in enumerate(without)}
     messages = []
-    trainer = _train(layers, FixedBatches(layers, 4), _cfg(auxk_coef=1 / 32, balance="none"), tmp_path, 4,
+    trainer = _train(layers, FixedBatches(layers, 4), _cfg(auxk_coef=1 / 32, balance="none", preact_coef=0.0), tmp_path, 4,
                      log=messages.append)
     assert trainer.auxk_layers == set()
     assert messages == [

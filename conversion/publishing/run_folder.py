@@ -38,7 +38,9 @@ import yaml
 
 from ..errors import ExpertizeError
 from .folder_lock import LOCK, FolderLock, RunFolderBusy, busy
+from ..recipe.layer_config import has_preact_loss
 from ..recipe.loader import PLACEMENT_KEYS
+from expertize.modeling import LAYER_KINDS
 
 __all__ = [
     "CHECKPOINT", "HEAL_LOG", "HEAL_STATE", "LM_EVAL", "METRICS", "MODEL_CARD", "PLOTS", "PROVENANCE",
@@ -183,7 +185,23 @@ def run_identity(resolved_recipe: dict) -> dict:
                 data[key] = [_local_path(p) for p in data[key]]
         data["activation_cache"] = _local_path(data.get("activation_cache"))
         data.pop("token_cache", None)  # where token ids are kept between runs: the same ids either way
+    _settle_preact(tree)
     return tree
+
+
+def _settle_preact(tree: dict) -> None:
+    """train.preact_coef as the run used it: absent where the kind computes no pre-activation loss (the setting
+    decides nothing there), 0 where a recipe written before the setting existed leaves it out (issue 47: those runs
+    trained without it). So a finished MxD run of an older version is still this recipe's run, and an older JumpReLU
+    run is not the run of today's default."""
+    train, layer = tree.get("train"), tree.get("layer")
+    if not isinstance(train, dict) or not isinstance(layer, dict):
+        return
+    kind = layer.get("kind")
+    if kind in LAYER_KINDS and not has_preact_loss(kind):
+        train.pop("preact_coef", None)
+    else:
+        train.setdefault("preact_coef", 0.0)
 
 
 def _lookup(tree: Any, dotted: str) -> Any:

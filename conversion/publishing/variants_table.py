@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from ..recipe.layer_config import has_selection_bias
+from ..recipe.layer_config import has_preact_loss, has_selection_bias
 from .formats import format_number, format_percent
 from .metrics_schema import load_metrics
 from .run_folder import METRICS, RESOLVED_RECIPE, write_text
@@ -42,6 +42,8 @@ def handling(train: dict, kind: str | None = None) -> str:
         parts.append(f"resample {train['resample_every_tokens']}")
     if train.get("auxk_coef"):
         parts.append(f"AuxK {train['auxk_coef']:g}")
+    if train.get("preact_coef") and kind is not None and has_preact_loss(kind):
+        parts.append(f"pre-activation loss {train['preact_coef']:g}")
     return ", ".join(parts) or "none"
 
 

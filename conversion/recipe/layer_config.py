@@ -37,6 +37,12 @@ def has_selection_bias(kind: str) -> bool:
     return spec_class(kind).has_selection_bias()
 
 
+def has_preact_loss(kind: str) -> bool:
+    """Whether `train.preact_coef` acts on `kind` (its layer class declares it: `SparseLayer.supports_preact_loss`,
+    the threshold kinds)."""
+    return bool(LAYER_KINDS[kind][1].supports_preact_loss)
+
+
 DEFAULT_MATCH_TRANSCODER = 8.0
 """The size of a layer whose recipe gives neither its unit count nor layer.match_transcoder: the parameters of a
 transcoder with 8 latents per input dimension (8 x d_in), the size every kind is compared at in docs/results/

@@ -11,6 +11,8 @@ tenth of the run, at most the paper's 10M). The log records the dead count of ev
 > 0 the layers whose kind has AuxK add `auxk_coef · auxk_loss` (Gao et al. 2024 §A.2), in which their `k_aux`
 highest-scoring dead units reconstruct the main error; kinds without it (MoE-X, Monet, μMoE) train without it, and
 the log says so once. With `auxk_coef` = 0 the loss, and so the whole trajectory, is exactly the plain one.
+The threshold kinds (JumpReLU, CLT) add `preact_coef` times the pre-activation loss of their dead latents instead
+(`dead_preact_gap`): what the training forward computes from its own pre-activations with the tracker's dead mask.
 """
 
 from dataclasses import dataclass
@@ -119,6 +121,7 @@ class Trainer(Engine):
             for i, layer in layers.items()
         }
         self.auxk_layers = set(layers) if plan.k_aux is not None else set()
+        self.preact_layers = {i for i, layer in layers.items() if cfg.preact_coef > 0 and layer.supports_preact_loss}
         self.balancers = {
             i: SelectionBalancer(
                 layer, cfg.balance_rate, cfg.balance_floor if cfg.balance == "floor" else None,
@@ -192,6 +195,13 @@ class Trainer(Engine):
             )
         return "; ".join(parts)
 
+    def preact_note(self) -> str | None:
+        """What the pre-activation loss does in this run, one line (None when off)."""
+        if not self.preact_layers:
+            return None
+        return (f"pre-activation loss on dead latents (train.preact_coef={self.cfg.preact_coef:g}, dead after "
+                f"{self.window_tokens:,} tokens) for layer(s) {sorted(self.preact_layers)}")
+
     # -- engine task ------------------------------------------------------------------------------------------------
 
     def batches(self, start_step: int):
@@ -209,7 +219,7 @@ class Trainer(Engine):
 
     def begin(self, resumed: bool) -> None:
         self.model.train()
-        note = "; ".join(n for n in (self.lr_note(), self.balance_note(), self.auxk_note()) if n)
+        note = "; ".join(n for n in (self.lr_note(), self.balance_note(), self.auxk_note(), self.preact_note()) if n)
         if note:
             self.say(note if self.name == type(self).name else f"{self.name}: {note}")
 
@@ -240,6 +250,10 @@ class Trainer(Engine):
     def compute_loss(self, batch):
         for i in self.auxk_layers:  # the forward keeps its dense pre-activations for AuxK when it runs this step
             self.layers[i].keep_for_auxk = self.dead_units[i].may_have_dead
+        for i in self.preact_layers:  # the forward adds the pre-activation loss of the latents dead so far
+            tracker = self.dead_units[i]
+            self.layers[i].dead_for_preact = tracker.dead_mask() if tracker.may_have_dead else None
+            self.layers[i].preact_loss = None
         with self.autocast:
             outputs = self.model({str(i): x for i, (x, _) in batch.items()})
         losses = {i: self.loss_fn(outputs[str(i)].float(), y.float()) for i, (_, y) in batch.items()}
@@ -249,6 +263,11 @@ class Trainer(Engine):
         # Routed layers' own auxiliary losses (load balance, ...), already weighted by their specs.
         aux = [layer.aux_loss for layer in self.layers.values() if layer.aux_loss is not None]
         total = sum(losses.values()) + sum(aux)
+        preact = {i: self.layers[i].preact_loss for i in sorted(self.preact_layers)
+                  if self.layers[i].preact_loss is not None}
+        for i, term in preact.items():
+            total = total + self.cfg.preact_coef * term
+            self.layers[i].dead_for_preact = None  # a later forward (evaluation, healing) computes none
         for i in self.floored_layers:
             x, y = batch[i]
             code = self._codes[i]  # the forward's; the average-code pass below may run the code hook again
@@ -266,7 +285,7 @@ class Trainer(Engine):
             with self.autocast:
                 auxk[i] = auxk_loss(self.layers[i], x, y, outputs[str(i)], tracker.dead_mask(), self.plan.k_aux)
             total = total + self.cfg.auxk_coef * auxk[i]
-        return total, (losses, auxk)
+        return total, (losses, auxk, preact)
 
     def track(self, parts) -> None:
         """Every step, device-side: which units fired (OR-reduced over ranks so every rank agrees on the dead masks
@@ -291,7 +310,7 @@ class Trainer(Engine):
                             progress=(self.step + 1) / self.total_steps)
 
     def record(self, parts) -> dict:
-        losses, auxk = parts
+        losses, auxk, preact = parts
         per_layer, units = {}, 0
         for i, loss in losses.items():
             index, weights = self._codes[i]  # (T, K) each: this step's code
@@ -302,6 +321,8 @@ class Trainer(Engine):
             }
             if i in auxk:
                 entry["auxk"] = auxk[i].item()
+            if i in preact:
+                entry["preact"] = preact[i].item()
             if i in self._batch_share:
                 entry["code_share"] = self._batch_share[i]
             if i in self.resamplers:

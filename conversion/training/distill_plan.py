@@ -44,6 +44,9 @@ class DistillPlan:
     """No resampling after this many tokens (a late resampled unit has no time to learn)."""
     code_share_floor: bool
     """The code-share penalty is on (train.code_share_floor > 0)."""
+    preact_coef: float = 0.0
+    """The weight of the pre-activation loss on dead latents in effect (train.preact_coef for a threshold kind, else
+    0: the kind computes none)."""
 
 
 def plan_distillation(cfg: TrainConfig, layer: SparseLayer, steps: int) -> DistillPlan:
@@ -74,6 +77,7 @@ def plan_distillation(cfg: TrainConfig, layer: SparseLayer, steps: int) -> Disti
         ),
         resample_until_tokens=int(UNTIL_FRACTION * steps * per_step),
         code_share_floor=cfg.code_share_floor > 0,
+        preact_coef=cfg.preact_coef if layer.supports_preact_loss else 0.0,
     )
 
 
