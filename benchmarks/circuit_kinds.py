@@ -39,16 +39,15 @@ TRAIN = {"lr": "auto", "warmup_steps": "auto", "schedule": "cosine", "min_lr_rat
 EVAL = {"batch_sequences": 16, "generation_prompts": 0, "histogram": False}
 
 
-THRESHOLD_KINDS = ("jumprelu_transcoder", "clt")  # the kinds train.preact_coef acts on
-
-
 def variants(k: int, preact_coefs: list[float] | None) -> list[dict]:
-    """The kinds as variants; with `preact_coefs`, the threshold kinds once per coefficient (named kind-preactC),
-    so that the dead-latent handling is compared on the same stream."""
+    """The kinds as variants; with `preact_coefs`, the kinds train.preact_coef acts on once per coefficient (named
+    kind-preactC), so that the dead-latent handling is compared on the same stream."""
+    from expertize.conversion.recipe.layer_config import has_preact_loss
+
     out = []
     for kind in KINDS:
         layer = {"kind": kind, "k": k, "match_transcoder": 16}
-        if preact_coefs and kind in THRESHOLD_KINDS:
+        if preact_coefs and has_preact_loss(kind):
             out += [{"name": f"{kind}-preact{c:g}", "layer": layer, "train": {"preact_coef": c}} for c in preact_coefs]
         else:
             out.append({"name": kind, "layer": layer})
@@ -142,10 +141,10 @@ def main() -> int:
         parser.error("give --data or set EXPERTIZE_DATA (the shared data folder)")
     root = Path(args.runs_dir) if args.runs_dir else Path(tempfile.mkdtemp(prefix="circuit-kinds-"))
     rows = []
+    coefs = [float(c) for c in args.preact_coefs.split(",")] if args.preact_coefs else None
     for model in args.models.split(","):
         for seed in (int(s) for s in args.seeds.split(",")):
             out = root / f"{model}-s{seed}"
-            coefs = [float(c) for c in args.preact_coefs.split(",")] if args.preact_coefs else None
             metrics, seconds = run_variants(tree(model, Path(args.data), args.tokens, args.k, seed, out, coefs),
                                             str(out))
             rows += rows_of(model, seed, metrics, out)

@@ -20,6 +20,8 @@ Bounds (held-out tokens, `evaluation.evaluate`):
 
 import dataclasses
 
+from ..recipe import TrainConfig
+
 DEAD_BOUND = 0.10
 COLLAPSE_BOUND = 0.5
 OVERSHOOT_BOUND = 2.0
@@ -46,9 +48,6 @@ class InEffect:
     """Whether the kind can resample dead units (`supports_resampling`); False: no resampling advice."""
     preact_coef: float = 0.0
     """The pre-activation loss on dead latents in effect (`train.preact_coef` for a threshold kind, else 0)."""
-    thresholded: bool = False
-    """A threshold kind (JumpReLU, CLT: `supports_preact_loss`): its dead latents sit under their thresholds, and
-    the pre-activation loss, not balancing or resampling, is their remedy (docs/results/dead_units.md)."""
 
     @classmethod
     def of(cls, plan, layer) -> "InEffect":
@@ -61,19 +60,21 @@ class InEffect:
             can_balance=layer.spec.has_selection_bias(),
             can_resample=bool(getattr(layer, "supports_resampling", False)),
             preact_coef=plan.preact_coef,
-            thresholded=bool(layer.supports_preact_loss),
         )
 
 
-def _dead_fixes(used: InEffect | None) -> str:
-    """The dead-unit remedies the run has not used yet, as one phrase."""
+def _dead_fixes(used: InEffect | None, thresholded: bool) -> str:
+    """The dead-unit remedies the run has not used yet, as one phrase; `thresholded`: a threshold kind (JumpReLU,
+    CLT), whose remedy is the pre-activation loss, not balancing or resampling (resampling left more JumpReLU latents
+    dead, at 2.5-4.8x the KL: docs/results/dead_units.md)."""
+    if thresholded:
+        fix = (f"a higher train.preact_coef (this run: {used.preact_coef:g})" if used is not None and used.preact_coef
+               else f"train.preact_coef: {TrainConfig.preact_coef:g} (the default: pushes dead latents back over "
+               "their thresholds)")
+        return f"{fix}, more data.train_tokens"
     if used is None:
         return ("train.balance: floor (the default; a higher train.balance_floor, or train.resample_every_tokens: "
                 "auto for units already dead), more data.train_tokens")
-    if used.thresholded:  # resampling left more JumpReLU latents dead, at 2.5-4.8x the KL (dead_units.md)
-        fix = (f"a higher train.preact_coef (this run: {used.preact_coef:g})" if used.preact_coef > 0 else
-               "train.preact_coef: 0.001 (the default: pushes dead latents back over their thresholds)")
-        return f"{fix}, more data.train_tokens"
     fixes = []
     if used.can_balance and used.balance == "none":
         fixes.append("train.balance: floor (the default)")
@@ -106,7 +107,7 @@ def code_health(
             f"{DEAD_BOUND:.0%}): "
             + ("their pre-activations sit under their thresholds, where no gradient reaches them" if thresholded
                else "they lost the top-K competition early and then got no gradient")
-            + f". Fix: {_dead_fixes(in_effect)}"
+            + f". Fix: {_dead_fixes(in_effect, thresholded)}"
         )
     if k is not None and thresholded and not COLLAPSE_BOUND * k <= l0 <= OVERSHOOT_BOUND * k:
         low = l0 < COLLAPSE_BOUND * k

@@ -267,6 +267,7 @@ class Trainer(Engine):
                   if self.layers[i].preact_loss is not None}
         for i, term in preact.items():
             total = total + self.cfg.preact_coef * term
+        for i in self.preact_layers:
             self.layers[i].dead_for_preact = None  # a later forward (evaluation, healing) computes none
         for i in self.floored_layers:
             x, y = batch[i]
