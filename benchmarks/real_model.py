@@ -408,7 +408,8 @@ def main() -> int:
         capture_line = "capture live in every run (no cache)"
         if cache is not None:
             captured = json.loads((Path(args.cache_dir) / "capture.json").read_text(encoding="utf-8"))[cache.name]
-            capture_line = f"capture {captured['seconds']} s for {budgets[-1]:,} tokens x {len(layers)} layers"
+            # the cache's own extent (its name: layers and tokens), which may exceed this run's layers and budgets
+            capture_line = f"capture {captured['seconds']} s, once, into {cache.name}"
         budget_line = (f"model {args.model}; layers {layers}; budgets {budgets}; seeds {seeds} "
                        f"({args.top_seeds} at {budgets[-1]:,}); kinds {args.kinds}; K {K}; "
                        f"{MATCH_TRANSCODER}x transcoder parameters; {args.eval_tokens:,} held-out tokens; "
