@@ -112,7 +112,6 @@ class JumpReluTranscoderLayer(LatentCoderLayer):
     spec: JumpReluTranscoderSpec
     l0_is_trained_target = True  # spec.k: the sparsity loss steers the mean L0 there
     supports_preact_loss = True  # dead latents sit below θ, where neither loss reaches them (dead_preact_gap)
-    preact_rows = ("W_enc", "b_enc", "threshold_exponent")
 
     def _add_per_latent_parameters(self, num_latents: int) -> None:
         self.threshold_exponent = nn.Parameter(torch.empty(num_latents))
@@ -156,22 +155,14 @@ class JumpReluTranscoderLayer(LatentCoderLayer):
         lead = x.shape[:-1]
         pre = F.linear(x.reshape(-1, x.shape[-1]), self.W_enc, self.b_enc)  # (T, L)
         threshold = self.threshold.to(pre.dtype)
-        dead = self.dead_for_preact if self.training and pre.shape[0] else None  # (L,) bool: the tracker's
-        # A dead latent's θ takes no gradient from the two straight-through estimators, only from the
-        # pre-activation loss: they see θ through a window ε = bandwidth·θ that grows with it (pre in (−θ, 3θ) at
-        # bandwidth 4), so a risen θ's window holds most tokens and the L0 target's push (one sign for every latent
-        # while the L0 sits above it; Adam moves each θ ~10 lr per step in log space whatever the gradient's size)
-        # kept raising θ of latents that no longer fire: dead thresholds 570x the live median on tiny-gpt2-
-        # shakespeare, out of the loss's reach (docs/results/dead_units.md).
-        estimated = threshold if dead is None else torch.where(dead, threshold.detach(), threshold)  # (L,)
-        window = self.spec.bandwidth * estimated  # (L,): the straight-through window's width per latent
-        acts = JumpReLU.apply(pre, estimated, window)  # (T, L)
+        window = self.spec.bandwidth * threshold  # (L,): the straight-through window's width per latent
+        acts = JumpReLU.apply(pre, threshold, window)  # (T, L)
         fired = acts != 0  # (T, L); θ > 0, so a firing value is > θ > 0
         if self.wants_router_outputs:  # training (or asked by the model): the sparsity loss of this forward
-            l0 = JumpStep.apply(pre, estimated, window).sum(-1).mean()
+            l0 = JumpStep.apply(pre, threshold, window).sum(-1).mean()
             self.aux_loss = self.spec.sparsity_coef * (l0 / self.spec.k - 1).square()
-        if dead is not None:
-            self.preact_loss = dead_preact_gap(pre, threshold, dead, self.spec.k)
+        if self.training and self.dead_for_preact is not None and pre.shape[0]:
+            self.preact_loss = dead_preact_gap(pre, threshold, self.dead_for_preact, self.spec.k)
         if torch.compiler.is_compiling() or not pre.shape[0]:
             width = acts.shape[-1]  # a traced graph has no data-dependent shape: a slot per latent (the idle at 0)
         else:

@@ -253,10 +253,6 @@ class SparseLayer(CodeInterventions, nn.Module):
     """Whether a training forward with `dead_for_preact` set computes `preact_loss`: threshold kinds (JumpReLU, CLT),
     whose dead latents get no gradient from the distillation loss and need a push up to their threshold."""
 
-    preact_rows: tuple[str, ...] = ()
-    """Kinds with `supports_preact_loss`: the per-unit parameters (rows indexed by unit) the pre-activation loss
-    moves. The trainer restarts their optimizer moments when a unit dies, so that the loss moves it by a full step."""
-
     def auxk_reconstruction(self, x: torch.Tensor, dead_mask: torch.Tensor, k_aux: int) -> torch.Tensor:
         """AuxK's ê: what the `k_aux` highest-ranked *dead* units (`dead_mask` (N,) bool) would add to the output for
         input x, without the output bias: (..., I) -> (..., O). Gradients reach only those units' parameters. The

@@ -5,13 +5,9 @@
 - a training forward with `dead_for_preact` set computes it from its own pre-activations (JumpReLU and CLT);
 - through the trainer it revives latents pushed far below their thresholds, which stay dead without it, and the
   log records it per layer; with preact_coef 0 the run is the plain one bit for bit;
-- a dead latent's threshold takes no gradient from the straight-through estimators, only from this loss, and a
-  latent's encoder-side optimizer moments restart when it dies, so the loss moves it by a full step;
 - an interrupted run resumes exactly (the dead mask comes from the checkpointed trackers);
 - kinds without thresholds ignore it; bad settings are refused with the field's name.
 """
-
-import math
 
 import pytest
 import torch
@@ -23,7 +19,7 @@ from expertize.conversion.training.distill import Trainer
 from expertize.conversion.training.errors import RunInterrupted
 from expertize.conversion.training.log import read_log
 from expertize.modeling import build_sparse_layer
-from expertize.modeling.jumprelu_transcoders import THRESHOLD_RATE, dead_preact_gap
+from expertize.modeling.jumprelu_transcoders import dead_preact_gap
 from tests.conftest import D_MODEL
 from tests.kinds import tiny_spec
 from tests.test_dead_units import TOKENS, FixedBatches
@@ -107,55 +103,6 @@ def test_training_forward_computes_it_from_its_own_preactivations(kind):
     layer(x)
     assert layer.preact_loss is None  # evaluation computes none
     assert not build_sparse_layer(tiny_spec("transcoder")).supports_preact_loss
-
-
-def test_a_dead_latents_threshold_moves_only_by_the_preactivation_loss():
-    """The straight-through estimators see θ through a window that grows with θ; for a latent that no longer fires
-    their push (the L0 target's, one sign for every latent) is an artefact, and it raised dead thresholds out of
-    the loss's reach. With the dead mask set, a dead latent's θ gets no gradient from them; live latents' still do."""
-    layer = _jumprelu()
-    x = torch.randn(64, D_MODEL)
-    dead = torch.zeros(LATENTS, dtype=torch.bool)
-    dead[[2, 7, 40]] = True
-    layer.train()
-
-    def threshold_grad(mask):
-        layer.zero_grad()
-        layer.dead_for_preact = mask
-        out = layer(x)
-        (out.square().mean() + layer.aux_loss).backward()  # the distillation-like loss and the L0 target, no preact
-        return layer.threshold_exponent.grad.clone()
-
-    with torch.no_grad():  # θ within reach of every latent's pre-activations: both estimators reach it
-        layer.threshold_exponent.fill_(math.log(0.5) / THRESHOLD_RATE)
-    unmasked = threshold_grad(None)
-    masked = threshold_grad(dead)
-    assert unmasked[dead].abs().gt(0).all()  # without the mask the estimators push the dead latents' θ
-    assert masked[dead].eq(0).all()
-    torch.testing.assert_close(masked[~dead], unmasked[~dead])  # live latents: the same gradient
-    assert layer.preact_loss is not None and layer.preact_loss.requires_grad  # what moves the dead θ instead
-
-
-def test_a_latent_that_dies_restarts_its_optimizer_moments(tmp_path):
-    """Adam's step is ~lr · m / √v: a √v built by the earlier, larger gradients would keep the loss's small push
-    small for ~1000 steps. The step at which the tracker first calls a latent dead zeroes its encoder rows',
-    bias's and threshold's moments; every other row keeps its own."""
-    steps = 2  # the window is 2 steps: the killed latents (never firing) become dead at the end of step 2
-    layers = _killed_layers()
-    trainer = _train(layers, FixedBatches(layers, steps), _cfg(preact_coef=TrainConfig().preact_coef), tmp_path,
-                     steps)
-    layer = layers[0]
-    assert layer.preact_rows == ("W_enc", "b_enc", "threshold_exponent")
-    newly = trainer.dead_units[0].dead_mask()
-    assert newly[KILLED].all() and newly.sum() < LATENTS
-    for name in layer.preact_rows:
-        state = trainer.optimizer.state[getattr(layer, name)]
-        for key in ("exp_avg_sq", "exp_avg"):
-            rows = state[key].reshape(LATENTS, -1)
-            assert rows[newly].eq(0).all(), (name, key)
-            if key == "exp_avg_sq":
-                assert rows[~newly].abs().amax(-1).gt(0).any(), name  # the live rows' moments are kept
-    assert trainer.optimizer.state[layer.W_dec]["exp_avg_sq"].abs().sum() > 0  # the decoder is not the loss's
 
 
 def test_it_revives_latents_that_stay_dead_without_it(tmp_path):

@@ -13,9 +13,6 @@ highest-scoring dead units reconstruct the main error; kinds without it (MoE-X, 
 the log says so once. With `auxk_coef` = 0 the loss, and so the whole trajectory, is exactly the plain one.
 The threshold kinds (JumpReLU, CLT) add `preact_coef` times the pre-activation loss of their dead latents instead
 (`dead_preact_gap`): what the training forward computes from its own pre-activations with the tracker's dead mask.
-There a dead latent's threshold moves by that loss alone (the straight-through estimators leave it), and the step
-at which a latent dies restarts the AdamW moments of its encoder rows, bias and threshold (`preact_rows`): a second
-moment built by the earlier, larger gradients would otherwise shrink the loss's steps for ~1000 steps.
 """
 
 from dataclasses import dataclass
@@ -32,7 +29,7 @@ from ..recipe import TrainConfig
 from ..recipe.lr_rule import MEASURED_STEPS, beyond_measured
 from .auxk import DeadUnitTracker, auxk_loss, code_l0, fired_units
 from .balance import SelectionBalancer
-from .resample import Resampler, restart_moments
+from .resample import Resampler
 from .code_floor import code_share_penalty
 from .compute import compile_layers
 from .distill_plan import DistillPlan, plan_distillation
@@ -301,10 +298,6 @@ class Trainer(Engine):
             if self.num_processes > 1:
                 fired = self.accelerator.reduce(fired.int(), reduction="sum") > 0
             self.dead_units[i].update_fired(fired, self.tokens_per_step)  # global tokens of the step's stream
-            if i in self.preact_layers:  # from the next step the pre-activation loss alone moves the newly dead
-                since = self.dead_units[i].tokens_since_fired()  # (N,)
-                newly = (since >= self.window_tokens) & (since < self.window_tokens + self.tokens_per_step)
-                restart_moments(self.optimizer, self.layers[i], self.layers[i].preact_rows, newly)
             if i in self.resamplers:
                 self.resamplers[i].update_fired(fired, self.tokens_per_step)
                 if self.resamplers[i].due:

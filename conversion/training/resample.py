@@ -100,16 +100,3 @@ def _reset_moments(optimizer, layer: SparseLayer, rows: dict[str, torch.Tensor])
         for key in ("exp_avg", "exp_avg_sq"):
             if key in state:
                 state[key][index] = 0
-
-
-def restart_moments(optimizer, layer: SparseLayer, names: tuple[str, ...], units: torch.Tensor) -> None:
-    """Zero AdamW's moments of the rows `units` ((N,) bool) of each named parameter of `layer` (rows indexed by
-    unit), without a host sync: Adam's step is ~lr · m / √v, and a √v built by earlier, larger gradients keeps a
-    small new gradient's step small for ~1/(1 − β2) = 1000 steps."""
-    optimizer = getattr(optimizer, "optimizer", optimizer)  # 🤗 Accelerate wraps the torch optimizer
-    for name in names:
-        state = optimizer.state.get(getattr(layer, name), {})
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key in state:
-                moment = state[key]
-                moment.masked_fill_(units.view(-1, *[1] * (moment.dim() - 1)).to(moment.device), 0)
