@@ -28,6 +28,7 @@ Methods (recipe `train:` keys; every method sets every key, so that none inherit
     preactC the pre-activation loss on dead latents at weight C (0.001 to 1; train.preact_coef, the threshold kinds'
             default since issue 47); every other method sets preact_coef 0
     preact0.001-wN  the same loss at 0.001 with dead meaning N tokens silent (4096, 8192) instead of the auto window
+            (1/40 of the run: 8,192 tokens at the 327,680-token budget, where w8192 is the auto window itself)
 
 Columns, each the mean over seeds with its 95 % Student-t half-width (n - 1 degrees of freedom): dead = share of units
 that never fired on the held-out tokens; effective units = exp(entropy of the firings); L0 (and L0 / K); FVU; KL =
@@ -70,7 +71,7 @@ for _method in METHODS.values():
     _method["preact_coef"] = 0.0
 for _coef in (0.001, 0.003, 0.01, 0.1, 1.0):  # the pre-activation loss on dead latents (threshold kinds)
     METHODS[f"preact{_coef:g}"] = {**METHODS["none"], "preact_coef": _coef, "dead_window_tokens": "auto"}
-for _window in (4096, 8192):  # the same loss on latents silent for a shorter window than the auto tenth of the run
+for _window in (4096, 8192):  # the same loss with a fixed dead window (auto: 1/40 of the run, 8,192 tokens at 327,680)
     METHODS[f"preact0.001-w{_window}"] = {**METHODS["none"], "preact_coef": 0.001, "dead_window_tokens": _window}
 TRAIN = {"warmup_steps": 50, "schedule": "cosine", "min_lr_ratio": 0.1, "tokens_per_step": 1024, "loss": "nmse",
          "precision": "fp32", "grad_clip": 1.0, "checkpoint_every": 0, "log_every": 20, "device": "cpu"}

@@ -31,9 +31,9 @@ def threshold_rows(folder: Path, text: str, tokens: int, context: int = 128) -> 
     ids = tokenizer(text[-tokens * 16:], return_tensors="pt").input_ids[0][-tokens:]  # the text's last tokens
     ids = ids[: len(ids) // context * context].view(-1, context)  # (B, context)
     layers = {i: block.mlp for i, block in enumerate(decoder_blocks(model))
-              if hasattr(block.mlp, "threshold_exponent")}  # the threshold kinds' layers
+              if getattr(block.mlp, "supports_preact_loss", False)}  # the threshold kinds' layers (the bundle's flag)
     if not layers:
-        raise SystemExit(f"{folder}: no JumpReLU or CLT layer (nothing has a threshold_exponent)")
+        raise SystemExit(f"{folder}: no JumpReLU or CLT layer (no MLP declares supports_preact_loss)")
     capture = MlpCapture(model, sorted(layers), stop_early=False)
     inputs: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
     for batch in ids.split(16):
