@@ -39,30 +39,36 @@ TRAIN = {"lr": "auto", "warmup_steps": "auto", "schedule": "cosine", "min_lr_rat
 EVAL = {"batch_sequences": 16, "generation_prompts": 0, "histogram": False}
 
 
-def variants(k: int, preact_coefs: list[float] | None) -> list[dict]:
-    """The kinds as variants; with `preact_coefs`, the kinds train.preact_coef acts on once per coefficient (named
-    kind-preactC), so that the dead-latent handling is compared on the same stream."""
+def variants(k: int, preact_coefs: list[float] | None, threshold_lr_scales: list[float] | None = None) -> list[dict]:
+    """The kinds as variants; with `preact_coefs` and / or `threshold_lr_scales`, the threshold kinds (those
+    train.preact_coef and train.threshold_lr_scale act on) once per setting (named kind-preactC, kind-thrS, or
+    kind-preactC-thrS for both), so that the dead-latent handling is compared on the same stream."""
     from expertize.conversion.recipe.layer_config import has_preact_loss
 
+    settings = [[]]
+    for key, tag, values in (("preact_coef", "preact", preact_coefs), ("threshold_lr_scale", "thr", threshold_lr_scales)):
+        if values:
+            settings = [done + [(key, tag, v)] for done in settings for v in values]
     out = []
     for kind in KINDS:
         layer = {"kind": kind, "k": k, "match_transcoder": 16}
-        if preact_coefs and has_preact_loss(kind):
-            out += [{"name": f"{kind}-preact{c:g}", "layer": layer, "train": {"preact_coef": c}} for c in preact_coefs]
+        if settings != [[]] and has_preact_loss(kind):
+            out += [{"name": "-".join([kind] + [f"{tag}{v:g}" for _, tag, v in setting]), "layer": layer,
+                     "train": {key: v for key, _, v in setting}} for setting in settings]
         else:
             out.append({"name": kind, "layer": layer})
     return out
 
 
 def tree(model: str, data: Path, tokens: int, k: int, seed: int, out: Path,
-         preact_coefs: list[float] | None = None) -> dict:
+         preact_coefs: list[float] | None = None, threshold_lr_scales: list[float] | None = None) -> dict:
     folder, corpus, separator = MODELS[model]
     return {
         "base_model": str(data / folder), "dtype": "float32", "layers": "all",
         "layer": {"kind": "transcoder", "k": k, "match_transcoder": 16},
         "data": text_data(data / corpus, separator, 128, tokens, 32_768, 0),
         "train": {**TRAIN, "seed": seed}, "eval": EVAL,
-        "variants": variants(k, preact_coefs),
+        "variants": variants(k, preact_coefs, threshold_lr_scales),
         "output_dir": str(out),
     }
 
@@ -129,6 +135,8 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=16, help="TopK's K and the JumpReLU kinds' target L0")
     parser.add_argument("--preact-coefs", help="train the JumpReLU kinds once per train.preact_coef, e.g. 1,0 "
                         "(default: the recipe default only)")
+    parser.add_argument("--threshold-lr-scales", help="train the JumpReLU kinds once per train.threshold_lr_scale, "
+                        "e.g. 1,0.3 (default: the recipe default only)")
     parser.add_argument("--runs-dir", help="keep the run folders here (reused when finished)")
     parser.add_argument("--out", help="write the table (markdown) here too")
     parser.add_argument("--from-rows", help="print the table of a finished run's rows.json (no training)")
@@ -142,16 +150,19 @@ def main() -> int:
     root = Path(args.runs_dir) if args.runs_dir else Path(tempfile.mkdtemp(prefix="circuit-kinds-"))
     rows = []
     coefs = [float(c) for c in args.preact_coefs.split(",")] if args.preact_coefs else None
+    scales = [float(c) for c in args.threshold_lr_scales.split(",")] if args.threshold_lr_scales else None
     for model in args.models.split(","):
         for seed in (int(s) for s in args.seeds.split(",")):
             out = root / f"{model}-s{seed}"
-            metrics, seconds = run_variants(tree(model, Path(args.data), args.tokens, args.k, seed, out, coefs),
+            metrics, seconds = run_variants(tree(model, Path(args.data), args.tokens, args.k, seed, out, coefs, scales),
                                             str(out))
             rows += rows_of(model, seed, metrics, out)
             print(f"{model} seed {seed}: {'reused' if seconds is None else f'{seconds:.0f} s'}", file=sys.stderr)
     budget = (f"{args.tokens:,} training tokens per run (1,024 per step), every layer, k = {args.k}, "
               f"16 x d_model latents, lr auto, seeds {args.seeds}"
               + (f", the JumpReLU kinds at train.preact_coef {args.preact_coefs}" if args.preact_coefs else "")
+              + (f", the JumpReLU kinds at train.threshold_lr_scale {args.threshold_lr_scales}"
+                 if args.threshold_lr_scales else "")
               + "; ± = 95 % t half-width over seeds, [paired interval] of the per-seed ratio to the TopK transcoder "
               "on the same stream")
     (root / "rows.json").write_text(json.dumps({"budget": budget, "rows": rows}, indent=1), encoding="utf-8")

@@ -16,7 +16,8 @@ Protocol:
   the paper's), moe_x (the all-kinds benchmark's settings). lr auto, warm-up a tenth of the steps, cosine to 0.1.
   Opt-in: jumprelu_transcoder-resample (dead latents resampled, `train.resample_every_tokens: auto`; issue 47),
   jumprelu_transcoder-nopreact (without the pre-activation loss on dead latents, `train.preact_coef: 0`: the JumpReLU
-  transcoder before issue 47's default).
+  transcoder before issue 47's default), jumprelu_transcoder-thr0.1 / -thr0.3 / -thr0.5 (its thresholds at that
+  multiple of the learning rate, `train.threshold_lr_scale`).
 - The cache: any folder in --cache-dir that holds the run's layers (and more) and as many tokens (or more) is used.
 - Columns: mean over seeds ± the 95 % Student-t half-width; "KL / transcoder" the per-seed ratio to the transcoder of
   the same run (paired), mean [95 % interval]. The trend: per (layer, kind), a least-squares line of log(KL ratio)
@@ -65,6 +66,9 @@ KINDS = {
     "jumprelu_transcoder-resample": {"kind": "jumprelu_transcoder", "train": {"resample_every_tokens": "auto"}},
     # ... and the JumpReLU transcoder as trained before issue 47's default (no pre-activation loss on dead latents)
     "jumprelu_transcoder-nopreact": {"kind": "jumprelu_transcoder", "train": {"preact_coef": 0.0}},
+    # ... and with its thresholds at a fraction of the learning rate (train.threshold_lr_scale; issue 47)
+    **{f"jumprelu_transcoder-thr{s:g}": {"kind": "jumprelu_transcoder", "train": {"threshold_lr_scale": s}}
+       for s in (0.1, 0.3, 0.5)},
 }
 DEFAULT_KINDS = ("transcoder", "skip_transcoder", "jumprelu_transcoder", "mxd", "mxd-paper", "moe_x")
 TRAIN = {"schedule": "cosine", "min_lr_ratio": 0.1, "tokens_per_step": 1024, "loss": "nmse", "precision": "fp32",

@@ -126,6 +126,9 @@ class JumpReluTranscoderLayer(LatentCoderLayer):
             self.threshold_exponent[units] = self.threshold_exponent[live].median()
         return {"threshold_exponent": units}
 
+    def threshold_parameters(self) -> list[nn.Parameter]:
+        return [self.threshold_exponent]
+
     @property
     def threshold(self) -> torch.Tensor:
         """θ (L,) > 0: a latent fires where its pre-activation exceeds it."""

@@ -253,6 +253,11 @@ class SparseLayer(CodeInterventions, nn.Module):
     """Whether a training forward with `dead_for_preact` set computes `preact_loss`: threshold kinds (JumpReLU, CLT),
     whose dead latents get no gradient from the distillation loss and need a push up to their threshold."""
 
+    def threshold_parameters(self) -> list[nn.Parameter]:
+        """The parameters that set a threshold kind's thresholds (`train.threshold_lr_scale` scales their learning
+        rate); none for the other kinds."""
+        return []
+
     def auxk_reconstruction(self, x: torch.Tensor, dead_mask: torch.Tensor, k_aux: int) -> torch.Tensor:
         """AuxK's ê: what the `k_aux` highest-ranked *dead* units (`dead_mask` (N,) bool) would add to the output for
         input x, without the output bias: (..., I) -> (..., O). Gradients reach only those units' parameters. The

@@ -193,15 +193,18 @@ def _settle_preact(tree: dict) -> None:
     """train.preact_coef as the run used it: absent where the kind computes no pre-activation loss (the setting
     decides nothing there), 0 where a recipe written before the setting existed leaves it out (issue 47: those runs
     trained without it). So a finished MxD run of an older version is still this recipe's run, and an older JumpReLU
-    run is not the run of today's default."""
+    run is not the run of today's default. train.threshold_lr_scale likewise: absent where no threshold trains, 1
+    where a recipe from before the setting leaves it out (the thresholds trained at the learning rate)."""
     train, layer = tree.get("train"), tree.get("layer")
     if not isinstance(train, dict) or not isinstance(layer, dict):
         return
     kind = layer.get("kind")
     if kind in LAYER_KINDS and not has_preact_loss(kind):
         train.pop("preact_coef", None)
+        train.pop("threshold_lr_scale", None)
     else:
         train.setdefault("preact_coef", 0.0)
+        train.setdefault("threshold_lr_scale", 1.0)
 
 
 def _lookup(tree: Any, dotted: str) -> Any:

@@ -39,6 +39,7 @@ VARIANT_TRAIN_KEYS = (
     "lr", "warmup_steps", "schedule", "min_lr_ratio", "betas", "weight_decay", "grad_clip", "loss", "precision",
     "auxk_coef", "auxk_k", "dead_window_tokens", "balance", "balance_rate", "balance_floor", "balance_anneal",
     "resample_every_tokens", "code_share_floor", "code_share_coef", "preact_coef",
+    "threshold_lr_scale",
 )
 """The `train:` keys a variant may set: its own optimizer and loss. The others fix the shared activation stream or
 the run's cadence or its arithmetic (tokens_per_step, seed, shuffle_buffer_tokens, capture_batch_sequences,

@@ -94,14 +94,30 @@ def adamw_fused(params: Iterable[nn.Parameter], device: torch.device) -> bool:
     )
 
 
-def make_adamw(params: Iterable[nn.Parameter], *, lr: float, betas, weight_decay: float, device: torch.device):
+def make_adamw(params: Iterable, *, lr: float, betas, weight_decay: float, device: torch.device):
     """torch's AdamW over `params`, fused where `adamw_fused` says so (the same update as the per-parameter loop up to
-    float rounding: tests/test_compute.py bounds the difference)."""
-    params = list(params)
-    fused = adamw_fused(params, device)
+    float rounding: tests/test_compute.py bounds the difference). `params`: parameters, or groups `{"params": [...],
+    "lr_scale": s}` whose learning rate is `s * lr` (a schedule scales every group alike); groups at scale 1 are
+    merged, so without a scaled group the optimizer (and its state dict) is the one-group optimizer it always was."""
+    groups = lr_groups(params)
+    flat = [p for group in groups for p in group["params"]]
+    fused = adamw_fused(flat, device)
+    torch_groups = [{"params": group["params"], "lr": lr * group["lr_scale"]} for group in groups]
     return torch.optim.AdamW(
-        params, lr=lr, betas=tuple(betas), weight_decay=weight_decay, **({"fused": True} if fused else {})
+        torch_groups, lr=lr, betas=tuple(betas), weight_decay=weight_decay, **({"fused": True} if fused else {})
     )
+
+
+def lr_groups(params: Iterable) -> list[dict]:
+    """`params` (parameters or `{"params", "lr_scale"}` groups) as groups, scale-1 parameters first in one group
+    (the engine's logged learning rate is the first group's), each other scale in its own, empty groups dropped."""
+    by_scale: dict[float, list[nn.Parameter]] = {1.0: []}
+    for item in params:
+        if isinstance(item, dict):
+            by_scale.setdefault(float(item.get("lr_scale", 1.0)), []).extend(item["params"])
+        else:
+            by_scale[1.0].append(item)
+    return [{"params": ps, "lr_scale": scale} for scale, ps in by_scale.items() if ps]
 
 
 def compile_layers(module: nn.Module, enabled: bool, backend: str = "inductor") -> nn.Module:

@@ -37,6 +37,18 @@ from .engine import Engine, OptimConfig, remove_hooks, run_paths
 from .together import train_together
 
 
+def threshold_lr_groups(stack: nn.Module, scale: float) -> list:
+    """The stack's parameters in their order, with the threshold kinds' thresholds (`threshold_parameters`) in a
+    group of learning rate `scale` x lr (train.threshold_lr_scale); plain parameters where `scale` is 1, so that the
+    optimizer is the one-group optimizer of a run without it."""
+    thresholds = {id(p) for m in stack.modules() if isinstance(m, SparseLayer) for p in m.threshold_parameters()}
+    if scale == 1.0 or not thresholds:
+        return list(stack.parameters())
+    params = list(stack.parameters())
+    return [{"params": [p for p in params if id(p) not in thresholds], "lr_scale": 1.0},
+            {"params": [p for p in params if id(p) in thresholds], "lr_scale": scale}]
+
+
 class SparseStack(nn.Module):
     """All target layers as one module, so that DDP can wrap them: dict of inputs -> dict of outputs."""
 
@@ -96,7 +108,7 @@ class Trainer(Engine):
         self.schedule = self.plan.schedule  # lr and warm-up with `auto` resolved (recipe/schedule_rule.py)
         super().__init__(
             self.stack,
-            self.stack.parameters(),
+            threshold_lr_groups(self.stack, cfg.threshold_lr_scale),
             OptimConfig.from_config(cfg, lr=self.schedule.lr, warmup_steps=self.schedule.warmup_steps),
             total_steps=total_steps,
             tokens_per_step=cfg.tokens_per_step,

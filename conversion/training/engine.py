@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..checks import NoSpaceLeft, disk_full, no_space_message
-from .compute import make_adamw
+from .compute import lr_groups, make_adamw
 from .errors import RunInterrupted, TrainingDiverged
 from .log import JsonlLog
 from .tracking import Tracking, tracking_dir
@@ -118,7 +118,7 @@ class Engine:
     def __init__(
         self,
         model: nn.Module,
-        params: Iterable[nn.Parameter],
+        params: Iterable,
         optim: OptimConfig,
         *,
         total_steps: int,
@@ -147,10 +147,11 @@ class Engine:
         self.hook_layers = list(hook_layers)  # SparseLayers: before/after_optimizer_step
         self.accelerator, self.progress, self.log = accelerator, progress, log
         self.device = accelerator.device if accelerator is not None else torch.device(device or "cpu")
-        self.params = list(params)
+        groups = lr_groups(params)  # parameters, or {"params", "lr_scale"} groups (compute.make_adamw)
+        self.params = [p for group in groups for p in group["params"]]
         # fused where the device has the kernel (CUDA, CPU): one kernel per step, not a loop over parameters
         self.optimizer = make_adamw(
-            self.params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, device=self.device
+            groups, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, device=self.device
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_steps))
         if accelerator is not None:
