@@ -43,6 +43,7 @@ def _everything(folder: Path) -> tuple[dict, torch.Tensor]:
     return cache.read(list(range(cache.sequences)), cache.layers, torch.device("cpu"), torch.float32)
 
 
+@pytest.mark.slow  # 5-25 s (subprocesses or a whole upcycle): in CI's opt-in run, off the fast suite's 8 minutes
 def test_two_processes_write_the_one_process_cache_that_upcycle_trains_from(ranks_run, capsys):
     tmp_path, tree, recipe = ranks_run
     result = _launch(tmp_path, "-m", "expertize", "capture", str(recipe), "--output", "two",

@@ -246,6 +246,7 @@ def test_bad_layers(tmp_path):
         write(tmp_path, layers={8: {"k": 32}})
 
 
+@pytest.mark.slow  # 5-25 s (subprocesses or a whole upcycle): in CI's opt-in run, off the fast suite's 8 minutes
 def test_card_snippets_run_on_a_saved_model(tmp_path, tokenizer):
     """The card's Python snippets, pointed at a saved tiny model, run without expertize installed."""
     from expertize.conversion.surgery.splice import save_model, splice
@@ -332,6 +333,7 @@ def test_kind_facts_are_read_from_the_spec_classes():
     assert "oldfield2025mxd" in _citation("mxd") and "eprint        = {2505.21364}" in _citation("mxd")
 
 
+@pytest.mark.slow  # 5-25 s (subprocesses or a whole upcycle): in CI's opt-in run, off the fast suite's 8 minutes
 def test_a_folder_tokenizer_without_trust_remote_code_answers_no_at_once_with_stdin_closed(tmp_path, tokenizer):
     """docs/native.md: `AutoTokenizer.from_pretrained(folder)` without the flag (lm-eval, scripts) asks transformers'
     remote-code question, answered "no" at once when stdin is closed, and loads the stock tokenizer; the stock class

@@ -109,6 +109,7 @@ def test_out_of_order_and_unlinked_layers_are_refused():
         link_cross_layer({1: clt_layers()[1]})
 
 
+@pytest.mark.slow  # 5-25 s (subprocesses or a whole upcycle): in CI's opt-in run, off the fast suite's 8 minutes
 def test_a_placed_clt_round_trips_through_remote_code_and_generates(tmp_path):
     model = splice(tiny_base_model("llama"), clt_layers()).eval()
     report, _, _ = check_remote_roundtrip(model, tmp_path, "model.layers")

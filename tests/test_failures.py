@@ -216,6 +216,7 @@ def test_a_finished_run_prints_its_key_metrics_and_a_loss_curve(tiny_run, capsys
     assert (Path(tree["output_dir"]) / "plots" / "loss.png").is_file()
 
 
+@pytest.mark.slow  # 5-25 s (subprocesses or a whole upcycle): in CI's opt-in run, off the fast suite's 8 minutes
 def test_an_expertize_folder_as_base_model_adds_layers_without_remote_code(tiny_run, capsys):
     tmp_path, tree = tiny_run
     first = dict(tree, layers=[0], output_dir=str(tmp_path / "first"))

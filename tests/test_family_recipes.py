@@ -50,6 +50,7 @@ def _size_override(recipe_name: str) -> str:
     return f"layer.{units}=64" if getattr(layer, units) is not None else "layer.match_transcoder=2"
 
 
+@pytest.mark.slow  # 5-25 s (subprocesses or a whole upcycle): in CI's opt-in run, off the fast suite's 8 minutes
 def test_each_family_recipe_upcycles_a_tiny_random_model_and_loads_through_remote_code(tmp_path, capsys):
     corpus = write_corpus(tmp_path / "corpus.txt", n_docs=400)
     plan, expected = {}, {}

@@ -43,6 +43,7 @@ def test_every_front_door_name_is_the_documented_object():
         expertize.upcylce
 
 
+@pytest.mark.slow  # 5-25 s (subprocesses or a whole upcycle): in CI's opt-in run, off the fast suite's 8 minutes
 def test_import_expertize_loads_no_torch_until_a_name_is_used():
     code = ("import sys, expertize; heavy = ('torch', 'transformers', 'expertize.conversion'); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy or m.startswith(heavy))); "

@@ -17,6 +17,7 @@ def _run(monkeypatch, capsys, *argv: str) -> str:
     return capsys.readouterr().out
 
 
+@pytest.mark.slow  # 5-25 s (subprocesses or a whole upcycle): in CI's opt-in run, off the fast suite's 8 minutes
 def test_the_gpu_check_runs_on_the_cpu_at_toy_sizes(monkeypatch, capsys):
     out = _run(monkeypatch, capsys, "--no-compile", "--kinds", "mxd,transcoder,moe_x,monet_hd")
     assert "targets are for one H100 / H200 and are not judged here" in out

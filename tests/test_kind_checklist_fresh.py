@@ -9,6 +9,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 import expertize.modeling
 from tests.conftest import run_isolated
 
@@ -102,6 +104,7 @@ print(json.dumps({"mlp": type(model.model.layers[1].mlp).__name__, "dense": type
 """
 
 
+@pytest.mark.slow  # 5-25 s (subprocesses or a whole upcycle): in CI's opt-in run, off the fast suite's 8 minutes
 def test_a_kind_added_by_the_checklist_loads_in_a_fresh_process(tmp_path):
     bundle = write_scratch_bundle(tmp_path / "scratch")
     folder = tmp_path / "model"

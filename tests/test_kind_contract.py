@@ -415,6 +415,7 @@ def test_a_real_training_step_runs_for_every_kind(row, variant, tmp_path):
     assert not layer.training  # released in eval mode
 
 
+@pytest.mark.slow  # 5-25 s (subprocesses or a whole upcycle): in CI's opt-in run, off the fast suite's 8 minutes
 def test_a_kind_registered_only_here_runs_the_quickstart_end_to_end(tmp_path, capsys):
     """The contributor's first run of a new kind: `expertize upcycle quickstart --set layer.kind=<kind>` with a kind
     that only this test registers (tests/toy_kind.py, its output bias named its own way) runs to a published folder

@@ -55,6 +55,7 @@ def test_the_verdict_is_the_worst_of_fvu_kl_and_ce_recovered(fvu, kl, recovered,
     assert quality_verdict(metrics).grade == grade
 
 
+@pytest.mark.slow  # 5-25 s (subprocesses or a whole upcycle): in CI's opt-in run, off the fast suite's 8 minutes
 def test_the_quickstart_evaluated_on_held_out_wikitext_is_not_graded_good(tmp_path):
     """End to end, as a user would (docs: data.eval_paths): the quickstart model distilled on Shakespeare and
     evaluated on WikiText. The verdict in the summary and in metrics.json comes from FVU / KL / CE recovered."""

@@ -111,6 +111,7 @@ def test_router_outputs_through_remote_code(tmp_path):
         torch.testing.assert_close(torch.tensor(got), want.float(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # 5-25 s (subprocesses or a whole upcycle): in CI's opt-in run, off the fast suite's 8 minutes
 def test_upcycle_split_init_is_exact_and_the_relu_switch_is_reported(tiny_run):
     """layer.init: split with every expert on and unscaled gates reproduces the MLPs (ΔCE at init = 0); switching
     the Llama MLP's SiLU to ReLU is explicit and its cost before training is in metrics.json["init"]."""

@@ -178,6 +178,7 @@ def quickstart(tmp_path_factory):
     return out, data
 
 
+@pytest.mark.slow  # 5-25 s (subprocesses or a whole upcycle): in CI's opt-in run, off the fast suite's 8 minutes
 def test_readme_own_text_evaluation_flow_on_the_quickstart_model(quickstart, tmp_path, capsys):
     """`expertize tasks wikitext2_test.raw --name wiki --output my_tasks --model runs/quickstart` then `expertize eval
     runs/quickstart --tasks wiki_ppl,wiki_cloze --include-path my_tasks`: every cloze item fits the model's 128

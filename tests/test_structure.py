@@ -227,6 +227,7 @@ def test_every_allowed_mention_still_occurs():
     assert not stale, f"ALLOWED entries that no longer occur (remove them): {stale}"
 
 
+@pytest.mark.slow  # 5-25 s (subprocesses or a whole upcycle): in CI's opt-in run, off the fast suite's 8 minutes
 def test_a_kind_switch_in_a_broken_copy_is_named_by_file_and_line(tmp_path):
     root = _copy_tree(tmp_path)
     assert misplaced_mentions(root, LAYER_KINDS) == misplaced_mentions(REPO, LAYER_KINDS)  # the copy is faithful
