@@ -230,6 +230,7 @@ def test_tasks_is_linear_in_the_number_of_documents(capsys):
 # -- 7. push uploads the model ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the quickstart upcycle of its fixture (~10 s): in CI's opt-in run
 def test_push_leaves_reports_out_and_names_a_packaged_base_portably(quickstart):
     """An inspect/ report written into the model folder (docs/inspect.md's example) is not uploaded unless asked; the
     card names the packaged base `${EXPERTIZE_ASSETS}/tiny-gpt2-shakespeare`. Before: inspect/ (11 MB) went up and

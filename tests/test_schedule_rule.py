@@ -96,6 +96,7 @@ def test_a_recipe_without_train_schedule_keys_trains_and_records_the_rule(tiny_r
         "auto", "auto", "cosine", 0.1)
 
 
+@pytest.mark.slow  # an upcycle with healing (~4 s; tests/test_heal.py heals in the fast suite)
 def test_healing_resolves_its_own_warmup_and_records_it(tiny_run):
     """heal.warmup_steps: auto is a tenth of the healing steps: 128 sequences of 16 tokens // 8 = 16 steps -> 2."""
     _, tree = tiny_run

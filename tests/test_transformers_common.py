@@ -50,9 +50,9 @@ CROSS_LAYER_ON_FORMS = {(family, kind) for family in MLP_FORMS for kind in KINDS
 """The cross-layer kind on one family of each MLP form: the battery of `DEFAULT`'s other kinds, in CI's opt-in run."""
 
 MXD_ONLY = ("test_generate_compile_model_forward_fullgraph", "test_torch_export", "test_bc_torch_dtype",
-            "test_eager_matches_sdpa_inference_*")
+            "test_eager_matches_sdpa_inference_*", "test_sdpa_can_dispatch_non_composite_models")
 """Tests of the whole model's machinery (names; `*`: the parameterized ones): torch.compile and torch.export of the
-whole model, loading in another dtype, eager vs SDPA attention in three dtypes. They run once per family, on the
+whole model, loading in another dtype, eager vs SDPA attention in three dtypes and the SDPA dispatch. They run once per family, on the
 family x MxD pairs, in CI's opt-in run (the fullgraph compile alone takes 20–40 s a family on 2 cores: in the fast
 suite they took it past 8 minutes). A kind meets them as it meets any forward, and its own fullgraph compile and
 dtypes are tests/test_kind_contract.py's (in the default run); on the other pairs of `DEFAULT` they are in the full
