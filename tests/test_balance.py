@@ -281,6 +281,7 @@ def test_a_layer_trained_with_the_floor_rule_is_not_told_to_use_it():
     assert "a higher train.balance_floor (this run: 0.25)" in dead[0] and "resample_every_tokens: auto" in dead[0]
 
 
+@pytest.mark.slow  # a whole upcycle with variants (~4 s): in CI's opt-in run, off the fast suite's 8 minutes
 def test_a_run_built_to_collapse_warns_in_the_summary_metrics_variants_and_card(tiny_run, capsys):
     """lr 0.1 without balancing: the MxD gate scores go negative on almost every token (mean L0 far below K). The
     run still finishes (exit 0), and every place that reports its fidelity says the code collapsed."""

@@ -57,6 +57,7 @@ def test_parsed_flags_build_the_settings():
     assert args.fit_tokens == 99
 
 
+@pytest.mark.slow  # subprocesses (~3 s): in CI's opt-in run, off the fast suite's 8 minutes
 def test_help_shows_the_generated_defaults_and_the_top_level_parser_stays_light():
     text = _subcommand("specialize").format_help()
     assert "--probe-k PROBE_K" in text and "(default 1,2,4,8,16)" in text and "(default 2)" in text

@@ -58,6 +58,7 @@ def test_the_term_pushes_a_dense_path_layer_toward_its_code_and_leaves_its_selec
     assert float(penalty.detach()) == 0.0
 
 
+@pytest.mark.slow  # a whole upcycle (~3 s; the penalty is tested above): in CI's opt-in run, off the fast suite's 8 minutes
 def test_a_run_with_a_floor_trains_against_it_logs_the_batch_share_and_records_it(tiny_run):
     """End to end through `upcycle`: the trainer measures every batch's code share (logged per layer) and metrics.json
     records the floor. On conftest's random tiny Llama the code carries everything (its MLP outputs are tiny beside

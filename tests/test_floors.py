@@ -17,6 +17,8 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 CONVERSION = REPO / "conversion"
 PACKAGE = "expertize.conversion"
@@ -177,6 +179,7 @@ def _append(file: Path, text: str) -> int:
     return len(lines) + 1 + next(i for i, line in enumerate(text.splitlines()) if "import" in line)
 
 
+@pytest.mark.slow  # a broken copy of the repository checked (~3 s): in CI's opt-in run, off the fast suite's 8 minutes
 def test_a_climb_in_a_broken_copy_is_named_by_file_and_line(tmp_path):
     root = _copy(tmp_path)
     # The delphi composition that once sat inside the inspection report (issue 36), as a deferred import.

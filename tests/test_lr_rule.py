@@ -35,6 +35,7 @@ def test_a_recipe_resolves_auto_for_its_kind_and_steps(tiny_run, kind, fields, f
     assert recipe_schedule(recipe_from_dict(tree)).lr == 3e-4  # a number is used as given
 
 
+@pytest.mark.slow  # a whole upcycle (~4 s; the rule itself is tested above): in CI's opt-in run, off the fast suite's 8 minutes
 def test_a_run_trains_with_the_auto_rate_and_records_it(tiny_run):
     """The optimizer's peak rate is the rule's (train_log.jsonl), and metrics.json records it beside the rule."""
     _, tree = tiny_run

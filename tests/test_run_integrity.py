@@ -316,6 +316,7 @@ def test_a_small_dead_fraction_is_read_out_as_it_is():
     assert [line.split(" dead is ")[0] for line in lines] == ["layer 2: 0.195 %", "layer 3: 50 %", "layer 4: 0 %"]
 
 
+@pytest.mark.slow  # the quickstart upcycle of its fixture (~10 s): in CI's opt-in run, off the fast suite's 8 minutes
 def test_the_summary_says_what_good_and_bad_values_look_like(quickstart):
     """The end of `expertize upcycle` grades ΔCE, FVU and dead units against stated bounds and explains the greedy
     match. Before: "greedy continuations identical to base: 0.00%" and "dead 49%" with no word on either."""

@@ -103,9 +103,10 @@ def test_every_other_pair_runs_the_mlp_contracts_in_ci_and_the_rest_in_the_full_
 def test_the_default_pairs_of_other_kinds_leave_the_machinery_tests_to_the_full_matrix():
     classes = _classes()
     machinery = _runs(classes[("llama", "transcoder")])["full_matrix"]
-    assert {"test_generate_compile_model_forward_fullgraph", "test_torch_export"} <= machinery
+    assert {"test_generate_compile_model_forward_fullgraph", "test_torch_export",
+            "test_sdpa_can_dispatch_non_composite_models"} <= machinery
     sdpa = [name for name in dir(common._CommonTests) if name.startswith("test_eager_matches_sdpa_inference_")]
-    assert len(machinery) == 3 + len(sdpa) and len(sdpa) > 1
+    assert len(machinery) == 4 + len(sdpa) and len(sdpa) > 1
     for pair in _default(classes):
         runs = _runs(classes[pair])
         assert runs["full_matrix"] == (set() if pair[1] == "mxd" else machinery), pair
