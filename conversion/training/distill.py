@@ -41,10 +41,10 @@ def threshold_lr_groups(stack: nn.Module, scale: float) -> list:
     """The stack's parameters in their order, with the threshold kinds' thresholds (`threshold_parameters`) in a
     group of learning rate `scale` x lr (train.threshold_lr_scale); plain parameters where `scale` is 1, so that the
     optimizer is the one-group optimizer of a run without it."""
+    params = list(stack.parameters())
     thresholds = {id(p) for m in stack.modules() if isinstance(m, SparseLayer) for p in m.threshold_parameters()}
     if scale == 1.0 or not thresholds:
-        return list(stack.parameters())
-    params = list(stack.parameters())
+        return params  # in the stack's order, as a run's checkpointed optimizer state lists them
     return [{"params": [p for p in params if id(p) not in thresholds], "lr_scale": 1.0},
             {"params": [p for p in params if id(p) in thresholds], "lr_scale": scale}]
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..checks import NoSpaceLeft, disk_full, no_space_message
-from .compute import lr_groups, make_adamw
+from .compute import make_adamw
 from .errors import RunInterrupted, TrainingDiverged
 from .log import JsonlLog
 from .tracking import Tracking, tracking_dir
@@ -147,12 +147,12 @@ class Engine:
         self.hook_layers = list(hook_layers)  # SparseLayers: before/after_optimizer_step
         self.accelerator, self.progress, self.log = accelerator, progress, log
         self.device = accelerator.device if accelerator is not None else torch.device(device or "cpu")
-        groups = lr_groups(params)  # parameters, or {"params", "lr_scale"} groups (compute.make_adamw)
-        self.params = [p for group in groups for p in group["params"]]
-        # fused where the device has the kernel (CUDA, CPU): one kernel per step, not a loop over parameters
+        # fused where the device has the kernel (CUDA, CPU): one kernel per step, not a loop over parameters;
+        # `params`: parameters, or {"params", "lr_scale"} groups (compute.make_adamw)
         self.optimizer = make_adamw(
-            groups, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, device=self.device
+            params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, device=self.device
         )
+        self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_steps))
         if accelerator is not None:
             model, self.optimizer = accelerator.prepare(model, self.optimizer)
