@@ -11,10 +11,15 @@ Columns (mean over seeds ± the 95 % Student-t half-width, and the seeds): KL(ba
 mean over layers of FVU, L0 (a JumpReLU's varies by token: the held-out mean), dead latents, and the code share
 (evaluation/code_probe.py; 1 by construction where there is no dense path).
 
+With --graph-scores, each run's JumpReLU set and CLT are exported to circuit-tracer and scored on held-out prompts by
+circuit-tracer's own `compute_graph_scores` (replacement and completeness; benchmarks/circuit_scores.py), in the venv
+scripts/circuit_tracer_env.sh makes (--circuit-tracer-python, default $EXPERTIZE_CIRCUIT_TRACER_PYTHON).
+
 Run:
     export EXPERTIZE_DATA=/path/to/shared/data
     python benchmarks/circuit_kinds.py --runs-dir RUNS --out table.md                         (~10 min, 2 cores)
     python benchmarks/circuit_kinds.py --models stories260k --seeds 0 --tokens 16384           (~1 min)
+    python benchmarks/circuit_kinds.py --tokens 200000 --seeds 0,1 --graph-scores --runs-dir RUNS --out table.md
 """
 
 import argparse
@@ -125,6 +130,18 @@ def table(rows: list[dict], budget: str) -> str:
     return "\n".join(lines)
 
 
+def report(saved: dict) -> str:
+    """The kinds' table, then (when the run scored graphs) the graph scores' table."""
+    text = table(saved["rows"], saved["budget"])
+    if saved.get("graph_scores"):
+        from circuit_scores import scores_table
+
+        text += ("\n\nGraph scores (circuit-tracer's compute_graph_scores; [95 % t interval] over the prompts, and in "
+                 "the seeds' \"all\" row over every seed's prompts pooled; CLT − set paired prompt by prompt):\n\n"
+                 + scores_table(saved["graph_scores"]))
+    return text
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=os.environ.get("EXPERTIZE_DATA"), help="shared/data (default: "
@@ -140,15 +157,27 @@ def main() -> int:
     parser.add_argument("--runs-dir", help="keep the run folders here (reused when finished)")
     parser.add_argument("--out", help="write the table (markdown) here too")
     parser.add_argument("--from-rows", help="print the table of a finished run's rows.json (no training)")
+    parser.add_argument("--graph-scores", action="store_true", help="score the JumpReLU set and the CLT with "
+                        "circuit-tracer's compute_graph_scores on held-out prompts (benchmarks/circuit_scores.py)")
+    parser.add_argument("--circuit-tracer-python", default=os.environ.get("EXPERTIZE_CIRCUIT_TRACER_PYTHON"),
+                        help="the python of scripts/circuit_tracer_env.sh's venv (default "
+                        "$EXPERTIZE_CIRCUIT_TRACER_PYTHON)")
+    parser.add_argument("--prompts", type=int, default=24, help="held-out prompts per run for --graph-scores")
+    parser.add_argument("--prompt-chars", type=int, default=160, help="characters per prompt (cut at a word)")
+    parser.add_argument("--max-feature-nodes", type=int, default=8192,
+                        help="circuit-tracer's cap on the features a graph keeps (the scores leave the rest out)")
     args = parser.parse_args()
     if args.from_rows:
         saved = json.loads(Path(args.from_rows).read_text(encoding="utf-8"))
-        print(table(saved["rows"], saved["budget"]))
+        print(report(saved))
         return 0
     if not args.data:
         parser.error("give --data or set EXPERTIZE_DATA (the shared data folder)")
+    if args.graph_scores and not (args.circuit_tracer_python and Path(args.circuit_tracer_python).is_file()):
+        parser.error(f"--graph-scores needs --circuit-tracer-python (got {args.circuit_tracer_python!r}): make the "
+                     "venv with `scripts/circuit_tracer_env.sh DIR` and pass DIR/bin/python")
     root = Path(args.runs_dir) if args.runs_dir else Path(tempfile.mkdtemp(prefix="circuit-kinds-"))
-    rows = []
+    rows, graph_rows = [], []
     coefs = [float(c) for c in args.preact_coefs.split(",")] if args.preact_coefs else None
     scales = [float(c) for c in args.threshold_lr_scales.split(",")] if args.threshold_lr_scales else None
     for model in args.models.split(","):
@@ -158,6 +187,12 @@ def main() -> int:
                                             str(out))
             rows += rows_of(model, seed, metrics, out)
             print(f"{model} seed {seed}: {'reused' if seconds is None else f'{seconds:.0f} s'}", file=sys.stderr)
+            if args.graph_scores:
+                from circuit_scores import score_model_seed
+
+                graph_rows += [dict(r, model=model, seed=seed) for r in score_model_seed(
+                    out, list(metrics), args.circuit_tracer_python, args.prompts, args.prompt_chars,
+                    args.max_feature_nodes)]
     budget = (f"{args.tokens:,} training tokens per run (1,024 per step), every layer, k = {args.k}, "
               f"16 x d_model latents, lr auto, seeds {args.seeds}"
               + (f", the JumpReLU kinds at train.preact_coef {args.preact_coefs}" if args.preact_coefs else "")
@@ -165,8 +200,12 @@ def main() -> int:
                  if args.threshold_lr_scales else "")
               + "; ± = 95 % t half-width over seeds, [paired interval] of the per-seed ratio to the TopK transcoder "
               "on the same stream")
-    (root / "rows.json").write_text(json.dumps({"budget": budget, "rows": rows}, indent=1), encoding="utf-8")
-    text = table(rows, budget)
+    if args.graph_scores:
+        budget += (f"; graph scores: circuit-tracer 0.5.0's compute_graph_scores on {args.prompts} held-out prompts "
+                   f"per run (<= {args.prompt_chars} characters), up to {args.max_feature_nodes:,} features a graph")
+    saved = {"budget": budget, "rows": rows, "graph_scores": graph_rows}
+    (root / "rows.json").write_text(json.dumps(saved, indent=1), encoding="utf-8")
+    text = report(saved)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n", encoding="utf-8")

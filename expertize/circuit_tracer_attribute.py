@@ -25,6 +25,13 @@ ignores rope_parameters and would use 10000) and GPT-2's n_ctx (TransformerLens 
 --check REF.safetensors compares circuit-tracer's loaded transcoders with reference outputs: x_{i} (T, d) the MLP
 inputs at layer i, y_{i} (T, d) what the expertize layer outputs there; exit 2 above --tol (1e-5).
 
+--scores SCORES.json adds circuit-tracer's own graph scores (`compute_graph_scores`: the replacement score, the share
+of the tokens' influence on the logits that reaches them through features rather than error nodes, and the
+completeness score, the influence-weighted share of every node's inputs that are not errors) of each prompt's graph;
+with --prompts FILE (one prompt per line) in place of --prompt it scores every line and writes no graph files:
+
+    python OUT/attribute.py --prompts prompts.txt --scores scores.json --out graphs/ --max-feature-nodes 8192
+
 Imports only circuit_tracer, torch, transformers, transformer_lens, safetensors and yaml (never expertize).
 """
 
@@ -282,13 +289,64 @@ def tl_vs_hf_logits(model, hf_model, ids):
 
 
 # ----------------------------------------------------------------------------- main
+# ----------------------------------------------------------------------------- graph scores
+def read_prompts(path: str) -> list[str]:
+    """One prompt per non-empty line of `path` (a prompt is a line: its own newlines are not kept)."""
+    with open(path, encoding="utf-8") as lines:
+        return [line.rstrip("\n") for line in lines if line.strip()]
+
+
+def graph_scores(graph, prompt: str, seconds: float) -> dict:
+    """circuit-tracer's own scores of one attribution graph, with what they were computed over."""
+    from circuit_tracer.graph import compute_graph_scores
+
+    replacement, completeness = compute_graph_scores(graph)
+    return {"prompt": prompt, "tokens": len(graph.input_tokens), "replacement": replacement,
+            "completeness": completeness, "active_features": int(graph.active_features.shape[0]),
+            "selected_features": int(graph.selected_features.shape[0]), "seconds": round(seconds, 2)}
+
+
+def score_prompt(model, prompt: str, a) -> dict:
+    """Attribute one prompt and score its graph (no graph files)."""
+    from circuit_tracer import attribute
+
+    start = time.time()
+    ids = tokenize_with_bos(model.tokenizer, prompt)
+    graph = attribute(ids, model, max_n_logits=a.max_n_logits, batch_size=a.batch_size,
+                      max_feature_nodes=a.max_feature_nodes, verbose=False)
+    scored = graph_scores(graph, prompt, time.time() - start)
+    print(f"[scores] replacement={scored['replacement']:.4f} completeness={scored['completeness']:.4f} "
+          f"tokens={scored['tokens']} active={scored['active_features']} selected={scored['selected_features']} "
+          f"{scored['seconds']:.1f}s", flush=True)
+    return scored
+
+
+def write_scores(a, kind: str, scored: list[dict], backend: str) -> None:
+    """SCORES.json: every prompt's scores and their means (a selected-feature cap below the active count leaves
+    the unselected features' influence out of both scores: the file records the cap)."""
+    def mean(key: str) -> float:
+        return sum(s[key] for s in scored) / len(scored)
+
+    out = {"kind": kind, "backend": backend, "max_feature_nodes": a.max_feature_nodes,
+           "max_n_logits": a.max_n_logits, "replacement_mean": mean("replacement"),
+           "completeness_mean": mean("completeness"), "prompts": scored}
+    os.makedirs(os.path.dirname(os.path.abspath(a.scores)) or ".", exist_ok=True)
+    with open(a.scores, "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=1)
+    print(f"[scores] {len(scored)} prompts: replacement mean={out['replacement_mean']:.4f} "
+          f"completeness mean={out['completeness_mean']:.4f} -> {a.scores}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     here = os.path.dirname(os.path.abspath(__file__))
     ap.add_argument("--base", help="the base model's folder (default: config.yaml's model_name)")
     ap.add_argument("--transcoders", default=here, help="the export folder (default: this script's)")
-    ap.add_argument("--prompt", required=True)
+    prompts = ap.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", help="draw this prompt's graph (graph.pt, graph.json)")
+    prompts.add_argument("--prompts", help="a text file, one prompt per line: score each (needs --scores)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--scores", default=None, help="write each prompt's compute_graph_scores here (JSON)")
     ap.add_argument("--check", default=None, help="REF.safetensors with x_i / y_i")
     ap.add_argument("--tol", type=float, default=1e-5)
     ap.add_argument("--backend", choices=["auto", "nnsight", "transformerlens"], default="auto")
@@ -301,6 +359,11 @@ def main():
     ap.add_argument("--edge-threshold", type=float, default=0.98)
     ap.add_argument("--slug", default="graph")
     a = ap.parse_args()
+    if a.prompts and not a.scores:
+        ap.error("--prompts scores every line and draws no graph: give --scores SCORES.json (or one --prompt)")
+    texts = [a.prompt] if a.prompt else read_prompts(a.prompts)
+    if not texts:
+        ap.error(f"--prompts {a.prompts}: no prompt in it (one prompt per line)")
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ[name] = "1"  # everything is local: a Hub lookup is a bug, never a download
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -334,22 +397,29 @@ def main():
     from circuit_tracer import attribute
     from circuit_tracer.utils.create_graph_files import create_graph_files
 
-    ids = tokenize_with_bos(model.tokenizer, a.prompt)
-    print(f"[prompt] ids={ids.tolist()}")
-    if hf_model is not None:
-        print(f"[base] TransformerLens vs HF logits max|diff|={tl_vs_hf_logits(model, hf_model, ids):.3e}")
-    graph = attribute(ids, model, max_n_logits=a.max_n_logits, batch_size=a.batch_size,
-                      max_feature_nodes=a.max_feature_nodes, verbose=False)
-    t3 = time.time()
-    graph.to_pt(os.path.join(a.out, f"{a.slug}.pt"))
-    create_graph_files(graph, slug=a.slug, output_path=a.out, scan=graph.scan,
-                       node_threshold=a.node_threshold, edge_threshold=a.edge_threshold)
-    t4 = time.time()
-    nodes = json.load(open(os.path.join(a.out, f"{a.slug}.json")))
-    print(f"[graph] active_features={graph.active_features.shape[0]} selected={graph.selected_features.shape[0]} "
-          f"adjacency={tuple(graph.adjacency_matrix.shape)} logits={graph.logit_token_ids.tolist() if hasattr(graph, 'logit_token_ids') else '?'} "
-          f"json nodes={len(nodes['nodes'])} links={len(nodes['links'])}")
-    print(f"[files] {sorted(os.listdir(a.out))}")
+    if a.prompts:
+        scored = [score_prompt(model, text, a) for text in texts]
+        write_scores(a, kind, scored, backend)
+        t3 = t4 = time.time()
+    else:
+        ids = tokenize_with_bos(model.tokenizer, a.prompt)
+        print(f"[prompt] ids={ids.tolist()}")
+        if hf_model is not None:
+            print(f"[base] TransformerLens vs HF logits max|diff|={tl_vs_hf_logits(model, hf_model, ids):.3e}")
+        graph = attribute(ids, model, max_n_logits=a.max_n_logits, batch_size=a.batch_size,
+                          max_feature_nodes=a.max_feature_nodes, verbose=False)
+        t3 = time.time()
+        if a.scores:
+            write_scores(a, kind, [graph_scores(graph, a.prompt, t3 - t2)], backend)
+        graph.to_pt(os.path.join(a.out, f"{a.slug}.pt"))
+        create_graph_files(graph, slug=a.slug, output_path=a.out, scan=graph.scan,
+                           node_threshold=a.node_threshold, edge_threshold=a.edge_threshold)
+        t4 = time.time()
+        nodes = json.load(open(os.path.join(a.out, f"{a.slug}.json")))
+        print(f"[graph] active_features={graph.active_features.shape[0]} selected={graph.selected_features.shape[0]} "
+              f"adjacency={tuple(graph.adjacency_matrix.shape)} logits={graph.logit_token_ids.tolist() if hasattr(graph, 'logit_token_ids') else '?'} "
+              f"json nodes={len(nodes['nodes'])} links={len(nodes['links'])}")
+        print(f"[files] {sorted(os.listdir(a.out))}")
     print(f"[time] load_tc+check={t1 - t0:.1f}s load_base={t2 - t1:.1f}s attribute={t3 - t2:.1f}s "
           f"graph_files={t4 - t3:.1f}s total={t4 - t0:.1f}s backend={backend}")
     if rc:

@@ -70,7 +70,7 @@ def test_the_registry_circuit_tracer_draws_a_graph_from_an_export(kind, layout, 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     run = subprocess.run(
         [python, str(tmp_path / "ct" / "attribute.py"), "--prompt", PROMPT, "--out", str(tmp_path / "graph"),
-         "--check", str(tmp_path / "reference.safetensors")],
+         "--check", str(tmp_path / "reference.safetensors"), "--scores", str(tmp_path / "scores-one.json")],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )
     print(run.stdout[-3000:], run.stderr[-3000:], file=sys.stderr)
@@ -95,3 +95,33 @@ def test_the_registry_circuit_tracer_draws_a_graph_from_an_export(kind, layout, 
                                                                        "cross-layer transcoder")]
     assert features, {n.get("feature_type") for n in graph["nodes"]}
     assert (tmp_path / "graph" / "graph.pt").is_file() and (tmp_path / "graph" / "graph-metadata.json").is_file()
+    assert_graph_scores(python, env, tmp_path)
+
+
+def assert_graph_scores(python: str, env: dict, tmp_path: Path) -> None:
+    """--scores writes circuit-tracer's own compute_graph_scores of the drawn graph (recomputed here from graph.pt by
+    circuit-tracer alone), and --prompts scores every line of a file the same way, prompt by prompt."""
+    one = json.loads((tmp_path / "scores-one.json").read_text())
+    reference = subprocess.run(
+        [python, "-c", "import json, sys; from circuit_tracer.graph import Graph, compute_graph_scores; "
+         "print(json.dumps(compute_graph_scores(Graph.from_pt(sys.argv[1]))))", str(tmp_path / "graph" / "graph.pt")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    replacement, completeness = json.loads(reference.stdout.strip().splitlines()[-1])
+    first = one["prompts"][0]
+    assert (first["replacement"], first["completeness"]) == pytest.approx((replacement, completeness), abs=1e-6)
+    assert 0 < replacement <= 1 and 0 < completeness <= 1 and first["tokens"] > 1
+    (tmp_path / "prompts.txt").write_text(PROMPT + "\n\nOne day, a little dog found a big red ball in the park. He\n")
+    many = subprocess.run(
+        [python, str(tmp_path / "ct" / "attribute.py"), "--prompts", str(tmp_path / "prompts.txt"), "--scores",
+         str(tmp_path / "scores-many.json"), "--out", str(tmp_path / "graph-many")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert many.returncode == 0, many.stdout[-2000:] + many.stderr[-2000:]
+    scored = json.loads((tmp_path / "scores-many.json").read_text())
+    assert [p["prompt"] for p in scored["prompts"]] == [PROMPT, "One day, a little dog found a big red ball in the "
+                                                        "park. He"]  # the blank line is not a prompt
+    assert (scored["prompts"][0]["replacement"], scored["prompts"][0]["completeness"]) == pytest.approx(
+        (first["replacement"], first["completeness"]), abs=1e-6)
+    assert scored["replacement_mean"] == pytest.approx(sum(p["replacement"] for p in scored["prompts"]) / 2)
+    assert not (tmp_path / "graph-many" / "graph.json").exists()  # scores only: no graph files per prompt
+
