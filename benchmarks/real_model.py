@@ -241,6 +241,35 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def across_depths(rows: list[dict]) -> str:
+    """Per (model, budget, kind): the paired KL ratio to the transcoder over every (layer, seed) run that has one —
+    the kind's standing on the model as a whole at that budget, its interval over those runs (depths and seeds
+    taken as exchangeable: the per-layer table above says where they differ). Only budgets with two runs or more."""
+    groups = groups_of(rows)
+    pooled: dict[tuple, dict[str, list]] = {}
+    for key in groups:
+        model, layer, budget, variant = key
+        if variant == "transcoder":
+            continue
+        ratios = per_seed_ratios(rows, groups, key)
+        shares = {r["seed"]: r["share"] for r in groups[key]}
+        entry = pooled.setdefault((model, budget, variant), {"ratios": [], "shares": [], "layers": set()})
+        entry["ratios"] += [v for _, v in ratios]
+        entry["shares"] += [shares[seed] for seed, _ in ratios if shares.get(seed) is not None]
+        entry["layers"].add(layer)
+    lines = ["| model | tokens | kind | runs (layers) | KL / transcoder [95 %] | code share (min–max) |",
+             "|---|---:|---|---:|---:|---:|"]
+    for (model, budget, variant), entry in pooled.items():
+        if len(entry["ratios"]) < 2:
+            continue
+        mean, low, high = seed_interval(entry["ratios"])
+        share = (f"{min(entry['shares']):.2f}–{max(entry['shares']):.2f}" if entry["shares"] else "")
+        lines.append(f"| {model} | {budget:,} | {variant} | {len(entry['ratios'])} "
+                     f"({', '.join(map(str, sorted(entry['layers'])))}) | {mean:.3f} [{low:.3f}, {high:.3f}] | "
+                     f"{share} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def trend(rows: list[dict]) -> str:
     """Per (model, layer, kind): log(KL ratio) against log4(budget), least squares over every seed's point."""
     groups = groups_of(rows)
@@ -420,7 +449,8 @@ def main() -> int:
                        f"{len(rows)} trained layers; {capture_line}; "
                        f"wall time {(time.perf_counter() - started) / 60:.1f} min on CPU")
         (root / "rows.json").write_text(json.dumps({"rows": rows, "budget": budget_line}), encoding="utf-8")
-    text = f"{table(rows)}\n\n{trend(rows)}\n\nbudget: {budget_line}\n"
+    depths = across_depths(rows)
+    text = f"{table(rows)}\n\n{depths + chr(10) * 2 if depths else ''}{trend(rows)}\n\nbudget: {budget_line}\n"
     print("\n" + text)
     if args.out:
         Path(args.out).write_text(text, encoding="utf-8")

@@ -145,3 +145,28 @@ def test_the_whole_model_table_splices_the_trained_layers_and_scores_them_as_the
             low, high = (float(x) for x in bounds.rstrip("]").split(", "))
             assert low <= float(point) <= high, r
     assert "L1 KL" in table and "L3 KL" in table
+
+
+def test_across_depths_pools_each_kinds_paired_ratios_over_layers_and_seeds():
+    """The model-wide row: every (layer, seed) run's own KL ratio to its transcoder, their mean and Student-t interval
+    (here 4 runs: 3 degrees of freedom, t = 3.182); a budget with one run gets no row."""
+    import math
+    import statistics
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import real_model
+    finally:
+        sys.path.pop(0)
+    rows, ratios = [], []
+    for layer, seed, base, mxd in [(5, 0, 0.05, 0.049), (5, 1, 0.04, 0.042), (15, 0, 0.03, 0.027), (15, 1, 0.02, 0.019)]:
+        for variant, kl in (("transcoder", base), ("mxd", mxd)):
+            rows.append({"model": "m", "layer": layer, "budget": 1024, "variant": variant, "seed": seed, "kl": kl,
+                         "share": 0.9 if variant == "mxd" else 1.0})
+        ratios.append(mxd / base)
+    rows += [{"model": "m", "layer": 5, "budget": 256, "variant": v, "seed": 0, "kl": 0.1, "share": 1.0}
+             for v in ("transcoder", "mxd")]
+    text = real_model.across_depths(rows)
+    mean, half = statistics.fmean(ratios), 3.182 * statistics.stdev(ratios) / math.sqrt(4)
+    assert f"| m | 1,024 | mxd | 4 (5, 15) | {mean:.3f} [{mean - half:.3f}, {mean + half:.3f}] | 0.90–0.90 |" in text
+    assert "| 256 |" not in text and "| transcoder |" not in text

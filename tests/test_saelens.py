@@ -25,13 +25,13 @@ def _export(capsys, *args) -> tuple[int, str]:
     return code, capsys.readouterr().err.strip()
 
 
-def _jumprelu_folder(tmp_path: Path) -> Path:
-    layers = {0: sparse_layer("jumprelu_transcoder"), 1: sparse_layer("jumprelu_transcoder", seed=1,
-                                                                        skip_connection=True)}
+def _jumprelu_folder(tmp_path: Path, family: str = "llama") -> Path:
+    layers = {0: sparse_layer("jumprelu_transcoder", family), 1: sparse_layer("jumprelu_transcoder", family, seed=1,
+                                                                                skip_connection=True)}
     for layer in layers.values():  # thresholds around 0.2, as training leaves them (a normal draw would be ~1)
         with torch.no_grad():
             layer.threshold_exponent.fill_(torch.log(torch.tensor(0.2)).item() / 10)
-    return model_folder(tmp_path, layers)
+    return model_folder(tmp_path, layers, family)
 
 
 def test_a_jumprelu_set_is_written_in_saelens_layout(tmp_path, capsys):
@@ -120,8 +120,9 @@ def _read_in_saelens(folder: Path, out: Path, tmp_path: Path, clt: bool) -> dict
 
 
 @pytest.mark.slow  # a second interpreter that imports SAELens (~20 s)
-def test_the_registry_saelens_loads_a_jumprelu_set_exactly(tmp_path, capsys):
-    folder = _jumprelu_folder(tmp_path)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # a Llama's SwiGLU MLP and GPT-2's Conv1D one
+def test_the_registry_saelens_loads_a_jumprelu_set_exactly(family, tmp_path, capsys):
+    folder = _jumprelu_folder(tmp_path, family)
     assert _export(capsys, folder, "--to", "saelens", tmp_path / "sl")[0] == 0
     report = _read_in_saelens(folder, tmp_path / "sl", tmp_path, clt=False)
     assert report["version"] == "6.54.0"
@@ -141,3 +142,19 @@ def test_the_registry_saelens_reads_a_clt_per_layer_with_its_thresholds(tmp_path
     assert all(d <= 1e-5 for d in report["diff"].values()), report
     assert all(0 < l0 < 48 for l0 in report["l0"].values()), report
 
+
+@pytest.mark.slow  # a short training and a second interpreter (~40 s)
+@pytest.mark.parametrize("kind", ["jumprelu_transcoder", "clt"])
+def test_the_registry_saelens_reads_stories260k_as_a_user_upcycles_it(kind, tmp_path, capsys):
+    """The real stories260k with layers trained by the shipped circuit recipe (as the README runs it, at a test's
+    budget), exported and read by SAELens's own loader: every layer's output exactly (SAELens's encode, then its
+    decode and, for the CLT, the later layers' decoders beside it)."""
+    from tests.test_circuit_tracer_e2e import train
+
+    folder = train(tmp_path, kind)
+    assert _export(capsys, folder, "--to", "saelens", tmp_path / "sl")[0] == 0
+    report = _read_in_saelens(folder, tmp_path / "sl", tmp_path, clt=kind == "clt")
+    assert report["version"] == "6.54.0" and set(report["class"].values()) == {"JumpReLUTranscoder"}
+    assert len(report["diff"]) == 5 and all(d <= 1e-5 for d in report["diff"].values()), report  # every layer
+    # exact outputs need the thresholds (SAELens's own CLT loader drops them: its outputs differ); and latents fire
+    assert all(l0 > 0 for l0 in report["l0"].values()), report
