@@ -64,9 +64,11 @@ def test_a_model_it_was_never_tuned_on_runs_from_the_cli_and_its_rows_regenerate
     table = (tmp_path / "table.md").read_text(encoding="utf-8")
     assert COLUMNS in table
     rows = [line for line in table.splitlines() if line.startswith("| tiny-gpt2-shakespeare |")]
-    # 2 layers x 2 budgets (2 seeds at 1,024, 1 at 4,096) x 2 kinds, and each layer's trend row of MxD
-    assert len([r for r in rows if "| 1,024 |" in r or "| 4,096 |" in r]) == 2 * 2 * 2
+    # 2 layers x 2 budgets (2 seeds at 1,024, 1 at 4,096) x 2 kinds, each layer's trend row of MxD, and MxD's
+    # model-wide row per budget (4 runs at 1,024: both layers' two seeds; 2 at 4,096)
+    assert len([r for r in rows if r.count("|") == 15 and ("| 1,024 |" in r or "| 4,096 |" in r)]) == 2 * 2 * 2
     assert len([r for r in rows if r.count("|") == 8]) == 2
+    assert [r.split("|")[4].strip() for r in rows if r.count("|") == 7] == ["4 (1, 3)", "2 (1, 3)"]
     caches = list((tmp_path / "cache").iterdir())
     assert sorted(p.name for p in caches) == ["capture.json", "tiny-gpt2-shakespeare-l1-3-4096"]
     again = run("--from-rows", str(tmp_path / "runs" / "rows.json"), "--out", str(tmp_path / "again.md"), cwd=tmp_path)
