@@ -13,13 +13,12 @@ activation: the export refuses it).
 """
 
 import json
-import math
 import os
 import statistics
 import subprocess
 from pathlib import Path
 
-from specialization_claims import T_975, format_value
+from specialization_claims import format_value, seed_interval
 
 SCORED_PREFIXES = ("jumprelu_transcoder", "clt")  # the kinds circuit-tracer reads (variant names start with them)
 
@@ -89,27 +88,8 @@ def score_model_seed(out: Path, variants: list[str], python: str, count: int, ch
     return rows
 
 
-def t975(df: int) -> float:
-    """The two-sided 95 % Student-t quantile: the table to 10 degrees of freedom, else the Cornish-Fisher expansion
-    about the normal's 1.96 (within 0.001 of the exact quantile from 11 on; 24 prompts have 23)."""
-    if df in T_975:
-        return T_975[df]
-    z = 1.959964
-    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
-
-
-def t_interval(values: list[float]) -> tuple[float, float, float]:
-    """(mean, low, high): the 95 % Student-t interval of the mean."""
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, -math.inf, math.inf
-    half = t975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
-    return mean, mean - half, mean + half
-
-
 def _interval(values: list[float], fmt: str = ".3f") -> str:
-    mean, low, high = t_interval(values)
+    mean, low, high = seed_interval(values)
     return f"{format_value(mean, fmt)} [{format_value(low, fmt)}, {format_value(high, fmt)}]"
 
 

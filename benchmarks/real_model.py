@@ -50,7 +50,7 @@ from pathlib import Path
 
 from _runs import load_rows, run_variants
 from code_share import _cell
-from specialization_claims import T_975, seed_interval
+from specialization_claims import seed_interval, t975
 
 K = 32
 MATCH_TRANSCODER = 8
@@ -308,7 +308,7 @@ def _fit(pts: list[tuple[float, float]]) -> tuple[float, float, float]:
     slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
     intercept = my - slope * mx
     residual = sum((y - intercept - slope * x) ** 2 for x, y in pts) / max(n - 2, 1)
-    return slope, intercept, T_975.get(n - 2, 1.96) * math.sqrt(residual / sxx)
+    return slope, intercept, t975(n - 2) * math.sqrt(residual / sxx)  # n >= 3: trend() fits no fewer points
 
 
 def plot(rows: list[dict], path: Path) -> None:

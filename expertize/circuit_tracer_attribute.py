@@ -288,7 +288,6 @@ def tl_vs_hf_logits(model, hf_model, ids):
     return (a - b).abs().max().item()
 
 
-# ----------------------------------------------------------------------------- main
 # ----------------------------------------------------------------------------- graph scores
 def read_prompts(path: str) -> list[str]:
     """One prompt per non-empty line of `path` (a prompt is a line: its own newlines are not kept)."""
@@ -337,6 +336,7 @@ def write_scores(a, kind: str, scored: list[dict], backend: str) -> None:
           f"completeness mean={out['completeness_mean']:.4f} -> {a.scores}")
 
 
+# ----------------------------------------------------------------------------- main
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     here = os.path.dirname(os.path.abspath(__file__))

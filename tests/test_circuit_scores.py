@@ -1,5 +1,6 @@
 """Graph scores (issue 48): the export's attribute.py refuses a prompts file it could not score before loading anything,
-and benchmarks/circuit_scores.py pairs the CLT with the JumpReLU set prompt by prompt with Student-t intervals.
+and benchmarks/circuit_scores.py pairs the CLT with the JumpReLU set prompt by prompt with Student-t intervals
+(benchmarks/specialization_claims.py's, whose quantile tests/test_specialization_claims.py checks).
 circuit-tracer's own compute_graph_scores is checked against attribute.py's --scores in tests/test_circuit_tracer_e2e.py
 (its venv)."""
 
@@ -13,17 +14,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _attribute_main(argv: list[str]) -> None:
-    from expertize import circuit_tracer_attribute
-
-    old = sys.argv
-    sys.argv = ["attribute.py", *argv]
-    try:
-        circuit_tracer_attribute.main()
-    finally:
-        sys.argv = old
-
-
 @pytest.mark.parametrize("argv, message", [
     (["--prompts", "PROMPTS", "--out", "o"], "give --scores SCORES.json"),
     (["--prompts", "EMPTY", "--scores", "s.json", "--out", "o"], "no prompt in it"),
@@ -34,19 +24,20 @@ def test_attribute_refuses_a_prompts_file_it_cannot_score_before_any_work(argv, 
     (tmp_path / "PROMPTS").write_text("Once upon a time\n")
     (tmp_path / "EMPTY").write_text("\n  \n")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["attribute.py", *argv])
+    from expertize import circuit_tracer_attribute
+
     with pytest.raises(SystemExit) as exit_:
-        _attribute_main(argv)
+        circuit_tracer_attribute.main()
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists() and not (tmp_path / "s.json").exists()  # nothing half-written
 
 
-def _circuit_scores():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import circuit_scores
-    finally:
-        sys.path.pop(0)
+def _circuit_scores(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import circuit_scores
+
     return circuit_scores
 
 
@@ -57,8 +48,8 @@ def _row(kind: str, seed: int, replacement: list[float]) -> dict:
                         for i, r in enumerate(replacement)]}
 
 
-def test_scores_table_pairs_the_clt_with_the_set_prompt_by_prompt():
-    scores = _circuit_scores()
+def test_scores_table_pairs_the_clt_with_the_set_prompt_by_prompt(monkeypatch):
+    scores = _circuit_scores(monkeypatch)
     clt, jump = [0.70, 0.74, 0.71], [0.69, 0.70, 0.71]
     rows = [_row("jumprelu_transcoder", 0, jump), _row("clt", 0, clt), _row("jumprelu_transcoder", 1, jump),
             _row("clt", 1, jump)]
@@ -74,8 +65,3 @@ def test_scores_table_pairs_the_clt_with_the_set_prompt_by_prompt():
     pooled = next(line for line in text.splitlines() if "| all | clt |" in line)  # both seeds' prompts pooled
     assert "| 6 |" in pooled and f"{statistics.fmean(diffs + [0, 0, 0]):+.3f} [" in pooled
     assert "| all |" not in scores.scores_table(rows[:2])  # one seed: nothing to pool
-
-
-@pytest.mark.parametrize("df, exact", [(11, 2.201), (23, 2.069), (47, 2.012), (200, 1.972)])
-def test_t_quantile_beyond_the_table(df, exact):
-    assert _circuit_scores().t975(df) == pytest.approx(exact, abs=0.001)

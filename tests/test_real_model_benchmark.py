@@ -149,17 +149,14 @@ def test_the_whole_model_table_splices_the_trained_layers_and_scores_them_as_the
     assert "L1 KL" in table and "L3 KL" in table
 
 
-def test_across_depths_pools_each_kinds_paired_ratios_over_layers_and_seeds():
+def test_across_depths_pools_each_kinds_paired_ratios_over_layers_and_seeds(monkeypatch):
     """The model-wide row: every (layer, seed) run's own KL ratio to its transcoder, their mean and Student-t interval
     (here 4 runs: 3 degrees of freedom, t = 3.182); a budget with one run gets no row."""
     import math
     import statistics
 
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import real_model
-    finally:
-        sys.path.pop(0)
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import real_model
     rows, ratios = [], []
     for layer, seed, base, mxd in [(5, 0, 0.05, 0.049), (5, 1, 0.04, 0.042), (15, 0, 0.03, 0.027), (15, 1, 0.02, 0.019)]:
         for variant, kl in (("transcoder", base), ("mxd", mxd)):

@@ -3,6 +3,7 @@ the seeds' interval (met / not met / cannot tell), checked on rows built so the 
 
 import importlib.util
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,15 @@ def test_seed_interval_is_students_t_over_the_seeds():
     assert mean == 2.0 and high - mean == pytest.approx(4.303 / math.sqrt(3), rel=1e-6) and low == 4.0 - high
     assert seed_interval([5.0])[1:] == (-math.inf, math.inf)  # one seed has no spread: nothing can be "met"
     assert all(math.isnan(v) for v in seed_interval([math.nan, math.inf]))  # no finite value
+
+
+@pytest.mark.parametrize("df, exact", [(11, 2.201), (23, 2.069), (47, 2.012), (200, 1.972)])
+def test_t_quantile_beyond_the_table(df, exact):
+    """Past the table's 10 degrees of freedom (24 held-out prompts have 23), Student's t, not the normal's 1.96."""
+    assert _claims.t975(df) == pytest.approx(exact, abs=0.001)
+    values = [float(i % 5) for i in range(df + 1)]
+    mean, low, high = seed_interval(values)
+    assert high - mean == pytest.approx(_claims.t975(df) * statistics.stdev(values) / math.sqrt(df + 1), rel=1e-9)
 
 
 @pytest.mark.parametrize("low, high, expected", [(0.1, 0.3, "met"), (-0.2, -0.1, "not met"),
