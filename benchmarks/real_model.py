@@ -40,6 +40,7 @@ Run (SmolLM2-135M-Instruct: benchmarks/data/get_smollm2.py DIR; five domains: be
 import argparse
 import contextlib
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -136,6 +137,14 @@ def find_cache(root: Path, model: str, layers: list[int], tokens: int) -> Path |
     return None
 
 
+def cache_digest(folder: Path) -> str:
+    """12 hex digits naming a cache's content: the sha256 of its shards' own sha256 (cache.json). Two captures of one
+    name can differ (a corpus domain built from another machine's files); the budget line and every row carry this,
+    so that a table mixing them says so."""
+    shards = json.loads((folder / "cache.json").read_text(encoding="utf-8"))["shards"]
+    return hashlib.sha256("".join(shard["sha256"] for shard in shards).encode()).hexdigest()[:12]
+
+
 def ensure_cache(args, layers: list[int], tokens: int) -> Path:
     """The activation cache of `tokens` training tokens at every layer in `layers` (captured once; the capture's
     seconds go to cache-dir/capture.json)."""
@@ -187,7 +196,9 @@ def train_seconds(folder: Path) -> float | None:
     return None if last is None else last.get("seconds")
 
 
-def collect(metrics_of: dict, settings: list[dict], root: Path, seconds: float | None) -> list[dict]:
+def collect(metrics_of: dict, settings: list[dict], root: Path, seconds: float | None,
+            cache: str | None = None) -> list[dict]:
+    """One row per variant; `cache` the activation cache's `cache_digest` (None: captured live)."""
     rows = []
     for s in settings:
         metrics = metrics_of[s["variant"]]
@@ -195,7 +206,7 @@ def collect(metrics_of: dict, settings: list[dict], root: Path, seconds: float |
         rows.append({**s, "units": m["num_units"], "dead": m["dead_fraction"], "fvu": m["fvu"], "l0": m["l0"],
                      "share": m.get("code_share"), "kl": metrics["ce"]["kl_base_spliced"],
                      "delta_ce": metrics["ce"]["delta"], "lr": metrics.get("train", {}).get("lr"),
-                     "train_s": train_seconds(root / s["variant"]), "run_s": seconds})
+                     "train_s": train_seconds(root / s["variant"]), "run_s": seconds, "cache": cache})
     return rows
 
 
@@ -420,6 +431,7 @@ def main() -> int:
         if not args.no_cache:
             Path(args.cache_dir).mkdir(parents=True, exist_ok=True)
         cache = None if args.no_cache else ensure_cache(args, layers, budgets[-1])
+        digest = None if cache is None else cache_digest(cache)
         rows, started = [], time.perf_counter()
         # seed-major: every budget and depth at the first seed before the next seed, so that an interrupted run
         # (it resumes) already shows the trend, and the later seeds add the intervals
@@ -432,7 +444,7 @@ def main() -> int:
                     metrics_of, seconds = run_variants(tree, "benchmarks/real_model.py")
                 print(f"  layer {layer}, {budget:,} tokens, seed {seed}: {len(settings)} kinds "
                       f"[{'reused' if seconds is None else f'{seconds:.0f}s'}]", flush=True)
-                rows += collect(metrics_of, settings, Path(tree["output_dir"]), seconds)
+                rows += collect(metrics_of, settings, Path(tree["output_dir"]), seconds, digest)
                 if not args.keep_weights:  # 0.5 GB per SmolLM2 folder; the rows need only metrics.json
                     for folder in Path(tree["output_dir"]).iterdir():
                         if folder.is_dir():
@@ -442,7 +454,7 @@ def main() -> int:
         if cache is not None:
             captured = json.loads((Path(args.cache_dir) / "capture.json").read_text(encoding="utf-8"))[cache.name]
             # the cache's own extent (its name: layers and tokens), which may exceed this run's layers and budgets
-            capture_line = f"capture {captured['seconds']} s, once, into {cache.name}"
+            capture_line = f"capture {captured['seconds']} s, once, into {cache.name} (content {digest})"
         budget_line = (f"model {args.model}; layers {layers}; budgets {budgets}; seeds {seeds} "
                        f"({args.top_seeds} at {budgets[-1]:,}); kinds {args.kinds}; K {K}; "
                        f"{MATCH_TRANSCODER}x transcoder parameters; {args.eval_tokens:,} held-out tokens; "

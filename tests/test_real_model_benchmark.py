@@ -1,6 +1,7 @@
 """benchmarks/real_model.py (issue 48) from its documented CLI: refusals before any work, and a whole run on a model
 folder of another family than the SmolLM2 it was written for, whose table `--from-rows` regenerates."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -50,8 +51,26 @@ def test_a_cache_of_more_layers_and_more_tokens_serves_a_smaller_run(tmp_path, m
     assert find_cache(tmp_path, "smollm2", [6], 1000) is None  # layer 6 is only in another model's cache
 
 
+def test_two_captures_of_one_name_whose_shards_differ_get_different_digests(tmp_path, monkeypatch):
+    """The cache's content digest reads its shards' sha256 (cache.json): the same shards give the same digest wherever
+    the folder lies, one changed shard another."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from real_model import cache_digest
+
+    def capture(folder: Path, hashes: list[str]) -> Path:
+        folder.mkdir()
+        (folder / "cache.json").write_text(json.dumps({"shards": [{"file": f"shard-{i:05d}.safetensors", "sha256": h}
+                                                                   for i, h in enumerate(hashes)]}))
+        return folder
+
+    first = cache_digest(capture(tmp_path / "a", ["1d" * 32, "31" * 32]))
+    assert first == cache_digest(capture(tmp_path / "b", ["1d" * 32, "31" * 32]))
+    assert first != cache_digest(capture(tmp_path / "c", ["1d" * 32, "32" * 32]))
+    assert len(first) == 12 and int(first, 16) >= 0
+
+
 @pytest.mark.slow
-def test_a_model_it_was_never_tuned_on_runs_from_the_cli_and_its_rows_regenerate_the_table(tmp_path):
+def test_a_model_it_was_never_tuned_on_runs_from_the_cli_and_its_rows_regenerate_the_table(tmp_path, monkeypatch):
     """tiny-gpt2-shakespeare (GPT-2: Conv1D MLP, biases, GELU) where the benchmark was written for SmolLM2 (Llama):
     one cache for both layers, every kind asked for at both budgets, the columns the results page shows."""
     data = shared_data_dir()
@@ -71,6 +90,13 @@ def test_a_model_it_was_never_tuned_on_runs_from_the_cli_and_its_rows_regenerate
     assert [r.split("|")[4].strip() for r in rows if r.count("|") == 7] == ["4 (1, 3)", "2 (1, 3)"]
     caches = list((tmp_path / "cache").iterdir())
     assert sorted(p.name for p in caches) == ["capture.json", "tiny-gpt2-shakespeare-l1-3-4096"]
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from real_model import cache_digest
+
+    digest = cache_digest(tmp_path / "cache" / "tiny-gpt2-shakespeare-l1-3-4096")
+    assert f"(content {digest})" in table  # the budget line names the capture the rows were trained on
+    saved = json.loads((tmp_path / "runs" / "rows.json").read_text(encoding="utf-8"))
+    assert {r["cache"] for r in saved["rows"]} == {digest}
     again = run("--from-rows", str(tmp_path / "runs" / "rows.json"), "--out", str(tmp_path / "again.md"), cwd=tmp_path)
     assert again.returncode == 0 and (tmp_path / "again.md").read_text(encoding="utf-8") == table
 
