@@ -346,3 +346,57 @@ def test_generation_match_curve():
     assert generation_match_curve(base, base) == [1.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="same shape"):
         generation_match_curve(base, other[:, :2])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The replay from the first sparse layer's block
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replaying_from_the_sparse_layers_block_gives_the_full_forwards_report_bit_for_bit(family, monkeypatch):
+    """The spliced and ablated forwards replay only the blocks from the first sparse layer's (suffix.py): the report
+    must equal, float for float, the one every forward computed whole — on every family (masks, rotary embeddings,
+    parallel residuals are what the replay must carry)."""
+    from expertize.conversion.evaluation import shared_passes
+    from expertize.conversion.specialization.suffix import SuffixRunner
+
+    model = tiny_base_model(family)
+    mlp = decoder_blocks(model)[1].mlp
+    layers = {1: _StandIn(lambda h, mlp=mlp: 0.5 * mlp(h) + 0.1 * torch.tanh(h))}  # differs from the MLP
+    sequences = _eval_sequences()
+    cfg = EvalConfig(batch_sequences=3, generation_prompts=0, histogram=False)
+    replays = []
+    original = SuffixRunner.logits
+    monkeypatch.setattr(SuffixRunner, "logits", lambda self, *a, **k: replays.append(self.layer) or original(self, *a,
+                                                                                                                  **k))
+    replayed = evaluate_sparse_layers(model, layers, sequences, cfg, progress=False)
+    # 3 batches: the first batch's check, then per batch the spliced forward and the zero ablation; the mean
+    # ablation's second pass (mean over the eval tokens) runs whole
+    assert replays == [1] * (1 + 3 * 2)
+
+    def full_forwards_only(self, *args):
+        self.runner, self.prefix, self.checked = None, None, True
+
+    monkeypatch.setattr(shared_passes.Replay, "__init__", full_forwards_only)
+    replays.clear()
+    whole = evaluate_sparse_layers(model, layers, sequences, cfg, progress=False)
+    assert replays == [] and replayed == whole
+    assert replayed["ce"]["delta"] != 0.0  # the layer is not the MLP: the comparison has something to compare
+
+
+def test_a_replay_that_differs_from_the_full_forward_is_not_used(monkeypatch):
+    """Where the replay does not reproduce the base forward's logits bit for bit on the first batch, the evaluation
+    computes every forward whole: the report is the full forwards' and the replay is never asked again."""
+    from expertize.conversion.specialization.suffix import SuffixRunner
+
+    model = tiny_base_model("llama")
+    layers = {1: _StandIn(lambda h: 0.5 * h)}
+    sequences = _eval_sequences()
+    cfg = EvalConfig(batch_sequences=3, generation_prompts=0, histogram=False)
+    expected = evaluate_sparse_layers(model, layers, sequences, cfg, progress=False)
+    replays = []
+    original = SuffixRunner.logits
+    monkeypatch.setattr(SuffixRunner, "logits", lambda self, *a, **k: replays.append(1) or original(self, *a, **k)
+                        + 1e-3)  # a replay off by a little
+    assert evaluate_sparse_layers(model, layers, sequences, cfg, progress=False) == expected
+    assert replays == [1]  # the first batch's check only

@@ -27,7 +27,7 @@ from expertize.modeling import SparseLayer
 
 from ..data.mlp_pairs import kept_positions, replaced_mlps
 from .code_probe import CodeProbe
-from .shared_passes import AblationMemo, base_pass, base_pass_bytes, memo_key
+from .shared_passes import AblationMemo, Replay, base_pass, base_pass_bytes, memo_key
 from .health import InEffect, code_health
 from ..training.losses import kl_base_to_other, next_token_ce
 from .metrics import ReconstructionStats
@@ -209,8 +209,12 @@ def _ce_recovered(ablated: float, spliced: float, base: float) -> float | None:
     return None if gap == 0 else (ablated - spliced) / gap + 0.0  # + 0.0: no -0.0 in the report
 
 
-def _logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=input_ids, use_cache=False).logits  # (B, L, V)
+def _logits(model: nn.Module, input_ids: torch.Tensor, replay: "Replay | None" = None) -> torch.Tensor:
+    """(B, L, V): the model's forward of `input_ids`, or, with `replay`, only its blocks from the first sparse layer's
+    on (the same logits bit for bit: `Replay`)."""
+    if replay is not None and replay.runner is not None:
+        return replay.runner.logits(replay.prefix)
+    return model(input_ids=input_ids, use_cache=False).logits
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -283,27 +287,33 @@ def evaluate_sparse_layers(
         means = None if mean_outputs is None else {i: _ConstantMlp(mean_outputs[i].detach()) for i in indices}
         memo = ablation_memo or AblationMemo()
         key = memo_key(model, eval_sequences, indices, mean_outputs, cfg.batch_sequences)
+        replay = Replay(model, indices, spliced_model)
 
-        def ablated(item: tuple, mlps: Mapping[int, nn.Module], input_ids: torch.Tensor) -> float:
+        def ablated(item: tuple, mlps: Mapping[int, nn.Module], input_ids: torch.Tensor, at: Replay | None) -> float:
             def compute() -> float:
                 with replaced_mlps(model, mlps):
-                    return _ce_sum(_logits(model, input_ids), input_ids)
+                    return _ce_sum(_logits(model, input_ids, at), input_ids)
 
             return memo.value(key, item, compute)
 
         for b, input_ids in enumerate(_batches(model, eval_sequences, cfg.batch_sequences, progress, "eval")):
-            passed = (memo.value(key, ("base", b), lambda: base_pass(model, input_ids, indices), base_pass_bytes)
-                      if memo.share_base else base_pass(model, input_ids, indices))
+            runner = replay.runner
+
+            def base() -> tuple:
+                return base_pass(model, input_ids, indices, runner)
+
+            passed = memo.value(key, ("base", b), base, base_pass_bytes) if memo.share_base else base()
+            at = replay.at(passed)
             _reconstruction_and_ce(model, input_ids, passed, spliced, stats, firing, ce, spliced_model, positions,
-                                   probes)
-            ce.sums["zero_ablation"] += ablated(("zero", b), zeros, input_ids)
+                                   probes, at)
+            ce.sums["zero_ablation"] += ablated(("zero", b), zeros, input_ids, at)
             if means is not None:
-                ce.sums["mean_ablation"] += ablated(("mean", b), means, input_ids)
+                ce.sums["mean_ablation"] += ablated(("mean", b), means, input_ids, at)
         if means is None:  # mean ablation needs the mean over all eval tokens first: a second pass
             means = {i: _ConstantMlp(positions.mean_output(i, stats[i]).float()) for i in indices}
             batches = _batches(model, eval_sequences, cfg.batch_sequences, progress, "eval (mean ablation)")
             for b, input_ids in enumerate(batches):
-                ce.sums["mean_ablation"] += ablated(("eval mean", b), means, input_ids)
+                ce.sums["mean_ablation"] += ablated(("eval mean", b), means, input_ids, None)
         generation = _generation_faithfulness(model, spliced, eval_sequences, cfg, progress, spliced_model)
         probed = {i: probes[i].summary(None if raised_units is None else raised_units.get(i)) for i in indices}
 
@@ -385,11 +395,12 @@ def _reconstruction_and_ce(
     spliced_model: nn.Module | None = None,
     positions: "_Positions | None" = None,
     probes: Mapping[int, CodeProbe] | None = None,
+    replay: Replay | None = None,
 ) -> None:
     """One batch: the base forward's (`passed`) MLP (x, y) pairs and base logits; then the spliced run (the
-    ablated runs are the caller's)."""
+    ablated runs are the caller's), replayed from the base forward's prefix where `replay` holds one."""
     positions = positions or _Positions(())
-    captured, base_logits = passed  # {layer: (x, y)}, each (B*L, d); (B, L, V)
+    captured, base_logits, _ = passed  # {layer: (x, y)}, each (B*L, d); (B, L, V); the prefix (`replay`'s)
     keep = positions.keep(input_ids)  # (B*L,) bool or None: the positions the reconstruction metrics cover
     for i, (x, y) in captured.items():
         positions.add_outputs(i, y)  # every position: the mean ablation replaces the MLP everywhere
@@ -408,7 +419,7 @@ def _reconstruction_and_ce(
         spliced_logits = _logits(spliced_model, input_ids)
     else:
         with replaced_mlps(model, spliced):
-            spliced_logits = _logits(model, input_ids)
+            spliced_logits = _logits(model, input_ids, replay)
     ce.add("spliced", spliced_logits, input_ids)
     ce.kl_base_spliced += float(kl_base_to_other(base_logits, spliced_logits).double().sum())
     del base_logits, spliced_logits

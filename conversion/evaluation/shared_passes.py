@@ -1,5 +1,6 @@
 """What the evaluations of a recipe's variants share: the base model's forward and the ablated CE sums, computed
-once per eval batch (AblationMemo), and the base forward itself (base_pass)."""
+once per eval batch (AblationMemo), the base forward itself (base_pass), and the replay of the later forwards from
+the prefix it recorded (Replay)."""
 
 from __future__ import annotations
 
@@ -57,13 +58,43 @@ def memo_key(model: nn.Module, eval_sequences: torch.Tensor, indices: list[int],
     return (id(model), digest(eval_sequences), tuple(indices), mean_digests, batch_sequences)
 
 
-def base_pass(model: nn.Module, input_ids: torch.Tensor, indices: list[int]) -> tuple[dict, torch.Tensor]:
-    """One base forward: ({layer: (x, y)} the target MLPs' inputs / outputs, each (B*L, d); the logits (B, L, V))."""
+def base_pass(model: nn.Module, input_ids: torch.Tensor, indices: list[int], runner=None) -> tuple:
+    """One base forward: ({layer: (x, y)} the target MLPs' inputs / outputs, each (B*L, d); the logits (B, L, V);
+    with a `SuffixRunner`, the PrefixBatch of its block recorded by the same forward, else None)."""
     capture = MlpCapture(model, indices, stop_early=False)
-    captured = capture(input_ids)
-    return captured, capture.last_logits
+    if runner is None:
+        return capture(input_ids), capture.last_logits, None
+    with runner.recording() as prefix:
+        captured = capture(input_ids)
+    return captured, capture.last_logits, prefix(input_ids)
 
 
-def base_pass_bytes(value: tuple[dict, torch.Tensor]) -> int:
-    captured, logits = value
-    return logits.nbytes + sum(x.nbytes + y.nbytes for x, y in captured.values())
+def base_pass_bytes(value: tuple) -> int:
+    captured, logits, prefix = value
+    recorded = 0 if prefix is None else prefix.hidden.nbytes  # the block calls' tensors are small beside it
+    return logits.nbytes + recorded + sum(x.nbytes + y.nbytes for x, y in captured.values())
+
+
+class Replay:
+    """The evaluation's spliced and ablated forwards from the residual stream entering the first sparse layer's block,
+    recorded by the base forward of the same batch: nothing below that block changes, so only blocks L…end and the
+    head run again (specialization/suffix.py, exact for every family). A layer at depth L of N saves ~L/N of those
+    forwards' blocks — the dominant cost of evaluating a deep layer of a real model. The replay is checked against
+    the base forward bit for bit on the first batch; where it differs, every forward is a full one (`runner` None)."""
+
+    def __init__(self, model: nn.Module, indices: list[int], spliced_model: nn.Module | None) -> None:
+        from ..specialization.suffix import SuffixRunner  # the replay `expertize specialize` introduced
+
+        # a healed model (spliced_model) differs from the base below its sparse layers too: full forwards only
+        self.runner = None if spliced_model is not None else SuffixRunner(model, min(indices))
+        self.prefix = None
+        self.checked = False
+
+    def at(self, passed: tuple) -> Replay:
+        """This batch's prefix (the base pass's third item); the first batch checks the replay."""
+        _, base_logits, self.prefix = passed
+        if self.runner is not None and not self.checked:
+            self.checked = True
+            if self.prefix is None or not torch.equal(self.runner.logits(self.prefix), base_logits):
+                self.runner = None
+        return self

@@ -21,7 +21,9 @@ stacked pass equals the full forward to float rounding only: a matrix-multiply k
 from B rows (measured: MxD's dense path on CPU, ~1e-7).
 """
 
+import contextlib
 import dataclasses
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -72,14 +74,18 @@ class SuffixRunner:
             raise SpecializationError(f"layer {layer} is not a decoder block of the model (0-{len(self.blocks) - 1})")
         self.device = next(model.parameters()).device
 
-    @torch.no_grad()
-    def capture(self, input_ids: torch.Tensor) -> tuple[PrefixBatch, torch.Tensor]:
-        """One full forward of `input_ids` (B, T): (its prefix record, its logits (B, T, V))."""
-        input_ids = input_ids.to(self.device)
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[Callable[[torch.Tensor], PrefixBatch]]:
+        """Record the prefix of whatever forward of the model runs inside: the context yields `prefix(input_ids)`, the
+        PrefixBatch of the last forward once it has run. For callers whose own forward carries other hooks too (the
+        evaluation's MLP capture), so that one forward gives both."""
         calls: list[tuple[tuple, dict]] = []
         hidden: list[torch.Tensor] = []
 
         def record(module, args, kwargs):
+            if module is self.blocks[self.layer]:  # a new forward starts at block L
+                calls.clear()
+                hidden.clear()
             if args:
                 if not hidden:
                     hidden.append(args[0].clone())
@@ -89,14 +95,27 @@ class SuffixRunner:
                     hidden.append(kwargs["hidden_states"].clone())
                 calls.append(((), {k: v for k, v in kwargs.items() if k != "hidden_states"}))
 
+        def prefix(input_ids: torch.Tensor) -> PrefixBatch:
+            if not hidden:
+                raise SpecializationError(f"no forward of the model reached decoder block {self.layer} inside "
+                                          "SuffixRunner.recording(): run the model before asking for its prefix")
+            return PrefixBatch(input_ids.to(self.device), hidden[0], list(calls))
+
         handles = [b.register_forward_pre_hook(record, with_kwargs=True) for b in self.blocks[self.layer :]]
         try:
-            self.model.eval()
-            logits = self.model(input_ids=input_ids, use_cache=False).logits
+            yield prefix
         finally:
             for handle in handles:
                 handle.remove()
-        return PrefixBatch(input_ids, hidden[0], calls), logits
+
+    @torch.no_grad()
+    def capture(self, input_ids: torch.Tensor) -> tuple[PrefixBatch, torch.Tensor]:
+        """One full forward of `input_ids` (B, T): (its prefix record, its logits (B, T, V))."""
+        input_ids = input_ids.to(self.device)
+        with self.recording() as prefix:
+            self.model.eval()
+            logits = self.model(input_ids=input_ids, use_cache=False).logits
+        return prefix(input_ids), logits
 
     @torch.no_grad()
     def logits(self, prefix: PrefixBatch, copies: int = 1) -> torch.Tensor:
